@@ -1,0 +1,39 @@
+"""Target modules the heads use without owning them (embeddings, lm_head).
+
+Held in a plain dataclass, not as submodules, so they never enter the heads' `state_dict`, their
+parameters, or an optimizer: nothing is copied and nothing of the target is ever saved with heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    embed: nn.Module
+    lm_head: nn.Module
+
+    @classmethod
+    def from_target(cls, target: nn.Module) -> Borrowed:
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed is None or lm_head is None:
+            raise ValueError(f"{type(target).__name__} exposes no input embeddings or lm_head to borrow")
+        return cls(embed=embed, lm_head=lm_head)
+
+
+class BorrowingModule(nn.Module):
+    """Base for heads: `attach(target)` borrows its embeddings and lm_head."""
+
+    borrowed: Borrowed | None = None
+
+    def attach(self, target: nn.Module) -> BorrowingModule:
+        self.borrowed = Borrowed.from_target(target)
+        return self
+
+    def _need(self) -> Borrowed:
+        if self.borrowed is None:
+            raise RuntimeError("heads are not attached to a target: call heads.attach(target) first")
+        return self.borrowed

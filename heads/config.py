@@ -1,0 +1,82 @@
+"""`HeadsConfig`: the draft heads' architecture, saved as `config.json` next to their weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+HEAD_KINDS = ("medusa", "eagle")
+
+
+class HeadsConfig(PretrainedConfig):
+    """Architecture of a set of draft heads attached to a frozen target.
+
+    head_kind: "medusa" (K parallel heads on the last feature) or "eagle" (one decoder layer of the
+        target's own class, run autoregressively on its own features).
+    target_*: what the heads were built for; loading onto a different target is refused.
+    feature_layers: indices into the target's `output_hidden_states` tuple fed to the heads
+        (-1 = last, post-norm). Several indices = EAGLE-3 style fusion through fc(n*h -> h).
+    draft_vocab_size: None borrows the target's lm_head; an int gives the heads their own projection
+        onto a reduced draft vocabulary with `d2t` / `t2d` maps (EAGLE-3 convention).
+    target_config: the target's config as a dict (EAGLE builds a 1-layer decoder from it).
+    """
+
+    model_type = "selfdraft_heads"
+
+    def __init__(
+        self,
+        head_kind: str = "eagle",
+        target_model_type: str | None = None,
+        target_hidden_size: int | None = None,
+        target_vocab_size: int | None = None,
+        target_num_layers: int | None = None,
+        feature_layers: list[int] | None = None,
+        draft_vocab_size: int | None = None,
+        medusa_num_heads: int = 4,
+        medusa_num_layers: int = 1,
+        medusa_own_lm_head: bool = False,
+        eagle_fc_bias: bool = True,
+        target_config: dict[str, Any] | None = None,
+        **kwargs,
+    ) -> None:
+        if head_kind not in HEAD_KINDS:
+            raise ValueError(f"head_kind={head_kind!r}; expected one of {HEAD_KINDS}")
+        if medusa_num_heads < 1 or medusa_num_layers < 0:
+            raise ValueError("medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
+        if draft_vocab_size is not None and target_vocab_size and not 0 < draft_vocab_size <= target_vocab_size:
+            raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..target_vocab_size")
+        self.head_kind = head_kind
+        self.target_model_type = target_model_type
+        self.target_hidden_size = target_hidden_size
+        self.target_vocab_size = target_vocab_size
+        self.target_num_layers = target_num_layers
+        self.feature_layers = list(feature_layers) if feature_layers else [-1]
+        self.draft_vocab_size = draft_vocab_size
+        self.medusa_num_heads = medusa_num_heads
+        self.medusa_num_layers = medusa_num_layers
+        self.medusa_own_lm_head = medusa_own_lm_head
+        self.eagle_fc_bias = eagle_fc_bias
+        self.target_config = target_config
+        super().__init__(**kwargs)
+
+    @classmethod
+    def for_target(cls, target_config: PretrainedConfig, head_kind: str = "eagle", **kwargs) -> HeadsConfig:
+        """Heads sized for `target_config` (the target model's `.config`)."""
+        text_config = getattr(target_config, "get_text_config", lambda: target_config)()
+        return cls(
+            head_kind=head_kind,
+            target_model_type=text_config.model_type,
+            target_hidden_size=text_config.hidden_size,
+            target_vocab_size=text_config.vocab_size,
+            target_num_layers=text_config.num_hidden_layers,
+            target_config=text_config.to_dict() if head_kind == "eagle" else None,
+            **kwargs,
+        )
+
+    @property
+    def num_feature_layers(self) -> int:
+        return len(self.feature_layers)
+
+
+AutoConfig.register(HeadsConfig.model_type, HeadsConfig)

@@ -1,0 +1,95 @@
+"""EAGLE head: fc(concat(embedding(x_{t+1}), f_t)) -> one decoder layer of the target's own class.
+
+The decoder layer is built with `AutoModel.from_config` from the target's config reduced to one layer,
+so every architecture transformers supports works without a copied modeling file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, PretrainedConfig
+
+from selfdraft.heads.borrowed import BorrowingModule
+from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.projection import DraftVocab
+from selfdraft.inference.kv import cache_kwargs
+
+# Keys of a target config that make no sense (or break construction) for a 1-layer body fed embeddings.
+_DROP_KEYS = ("layer_types", "architectures", "_name_or_path", "auto_map", "quantization_config",
+              "transformers_version", "use_cache")
+
+
+def one_layer_config(target_config: dict, attn_implementation: str = "sdpa") -> PretrainedConfig:
+    """The target's config with one decoder layer and a 1-token vocabulary (the body gets embeddings)."""
+    values = {k: v for k, v in target_config.items() if k not in _DROP_KEYS}
+    model_type = values.pop("model_type")
+    values.update(
+        num_hidden_layers=1, vocab_size=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    config = AutoConfig.for_model(model_type, **values)
+    config._attn_implementation = attn_implementation
+    return config
+
+
+class EagleHead(BorrowingModule):
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        if not config.target_config:
+            raise ValueError("an EAGLE head needs HeadsConfig.target_config (use HeadsConfig.for_target)")
+        self.config = config
+        h = config.target_hidden_size
+        n = config.num_feature_layers
+        self.fuse = nn.Linear(n * h, h, bias=False) if n > 1 else None
+        self.fc = nn.Linear(2 * h, h, bias=config.eagle_fc_bias)
+        self.body = AutoModel.from_config(one_layer_config(config.target_config))
+        if config.draft_vocab_size:
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            self.draft_vocab = DraftVocab(config.draft_vocab_size, config.target_vocab_size)
+        else:
+            self.lm_head = None
+            self.draft_vocab = None
+
+    def init_projection_from_target(self) -> None:
+        if self.lm_head is None:
+            return
+        weight = self._need().lm_head.weight[self.draft_vocab.target_ids()]
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight)
+
+    def fuse_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The target's `output_hidden_states` tuple -> the head's input feature f: [B, T, h]."""
+        chosen = [hidden_states[i] for i in self.config.feature_layers]
+        if self.fuse is None:
+            return chosen[0]
+        return self.fuse(torch.cat(chosen, dim=-1))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Predict the next feature.
+
+        input_ids: [B, T] tokens x_{t+1}; features: [B, T, h] features f_t (target's or the head's own);
+        position_ids: [B, T]; attention_mask: additive float [B, 1, T, past + T] or None (causal).
+        Returns f_hat_{t+1}: [B, T, h], whose logits predict x_{t+2}.
+        """
+        embeds = self._need().embed(input_ids).to(features.dtype)
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        kwargs = cache_kwargs(self.body, cache) if cache is not None else {"use_cache": False}
+        out = self.body(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return out.last_hidden_state
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [..., h] -> logits [..., V'] (V' = draft vocab size when one is used)."""
+        if self.lm_head is None:
+            return self._need().lm_head(features)
+        return self.lm_head(features)

@@ -1,0 +1,131 @@
+"""Build, save and load heads: `config.json` + `model.safetensors`, heads' own tensors only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.eagle import EagleHead
+from selfdraft.heads.medusa import MedusaHeads
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+HEAD_CLASSES: dict[str, type[nn.Module]] = {"medusa": MedusaHeads, "eagle": EagleHead}
+
+Heads = MedusaHeads | EagleHead
+
+
+class HeadsMismatchError(ValueError):
+    """Heads built for a different target."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A heads checkpoint that cannot be read or does not match its own config."""
+
+
+def build_heads(config: HeadsConfig) -> Heads:
+    return HEAD_CLASSES[config.head_kind](config)
+
+
+def check_compatible(config: HeadsConfig, target_config) -> None:
+    """Raise HeadsMismatchError naming both values when heads were made for another target."""
+    text = getattr(target_config, "get_text_config", lambda: target_config)()
+    checks = [
+        ("hidden size", config.target_hidden_size, text.hidden_size),
+        ("vocab size", config.target_vocab_size, text.vocab_size),
+        ("model type", config.target_model_type, text.model_type),
+    ]
+    for what, heads_value, target_value in checks:
+        if heads_value is not None and heads_value != target_value:
+            raise HeadsMismatchError(
+                f"heads were built for a target with {what} {heads_value!r}, but this target has "
+                f"{target_value!r}; train or load heads made for this target"
+            )
+    bad = [i for i in config.feature_layers if not -text.num_hidden_layers - 1 <= i <= text.num_hidden_layers]
+    if bad:
+        raise HeadsMismatchError(
+            f"heads read target layers {bad}, but this target has {text.num_hidden_layers} layers"
+        )
+
+
+def save_heads(heads: Heads, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (optionally cast floats to `dtype`, e.g. bf16)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in heads.state_dict().items():
+        tensor = tensor.detach().cpu()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        state[name] = tensor.contiguous()
+    tmp = directory / (WEIGHTS_NAME + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", "library": "selfdraft"})
+    tmp.replace(directory / WEIGHTS_NAME)  # never leave a half-written weights file under the real name
+    heads.config.save_pretrained(directory)
+    return directory
+
+
+def read_heads_config(directory: Path) -> HeadsConfig:
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: not a heads checkpoint folder")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt") from err
+    if raw.get("model_type") != HeadsConfig.model_type:
+        raise CorruptCheckpointError(
+            f"{path} has model_type {raw.get('model_type')!r}, not {HeadsConfig.model_type!r}; "
+            "for Medusa/EAGLE checkpoints from other projects use `selfdraft convert`"
+        )
+    return HeadsConfig.from_pretrained(directory)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"missing weights file {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"{path} is corrupt or truncated ({err}); re-download or re-export it") from err
+
+
+def load_state_strict(module: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CorruptCheckpointError(
+            f"{source} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CorruptCheckpointError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, config implies "
+                f"{tuple(expected[name].shape)}"
+            )
+    module.load_state_dict(
+        {k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True
+    )
+
+
+def load_heads(directory: str | Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32) -> Heads:
+    """Load heads saved by `save_heads`; with `target`, check compatibility and attach to it."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"heads checkpoint folder {directory} does not exist")
+    config = read_heads_config(directory)
+    if target is not None:
+        check_compatible(config, target.config)
+    heads = build_heads(config).to(dtype)
+    load_state_strict(heads, read_safetensors(directory / WEIGHTS_NAME), directory / WEIGHTS_NAME)
+    if target is not None:
+        heads.attach(target)
+    return heads.eval()

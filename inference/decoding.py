@@ -1,0 +1,201 @@
+"""The speculative generate loop: prefill, then draft -> verify -> accept -> compact until done."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from selfdraft.inference import kv
+from selfdraft.inference.acceptance import AcceptResult, accept_greedy, accept_rejection, accept_typical
+from selfdraft.inference.drafting import make_drafter
+from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
+from selfdraft.inference.target import max_context
+from selfdraft.inference.tree import TreeSpec
+from selfdraft.inference.verify import TargetPass, prefill, verify_tree
+
+ACCEPTANCE_MODES = ("rejection", "typical")
+
+
+@dataclass
+class GenerationStats:
+    """target_forwards counts the prefill and every tree pass.
+
+    mean_accepted (tau) = tokens produced by tree passes / tree passes, bonus or correction token
+    counted; the first token (from the prefill) is not part of it.
+    """
+
+    target_forwards: int = 0
+    tree_passes: int = 0
+    tree_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    depth_offered: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def mean_accepted(self) -> float:
+        if not self.tree_passes:
+            return 0.0
+        return sum(n + 1 for n in self.accepted_lengths) / self.tree_passes
+
+    @property
+    def per_depth_acceptance(self) -> list[float]:
+        """Fraction of tree passes offering depth d whose accepted path reached depth d (d = 1..D)."""
+        return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered, strict=True)]
+
+    def record(self, accepted: int, depth: int, tree_size: int) -> None:
+        self.tree_passes += 1
+        self.target_forwards += 1
+        self.tree_tokens += tree_size
+        self.accepted_lengths.append(accepted)
+        while len(self.depth_offered) < depth:
+            self.depth_offered.append(0)
+            self.depth_accepted.append(0)
+        for d in range(depth):
+            self.depth_offered[d] += 1
+            self.depth_accepted[d] += int(accepted > d)
+
+    def as_dict(self) -> dict:
+        return {
+            "target_forwards": self.target_forwards,
+            "tree_passes": self.tree_passes,
+            "mean_accepted": self.mean_accepted,
+            "per_depth_acceptance": self.per_depth_acceptance,
+            "prefill_time": self.prefill_time,
+            "draft_time": self.draft_time,
+            "verify_time": self.verify_time,
+            "total_time": self.total_time,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[int]
+    stats: GenerationStats
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.stats.total_time if self.stats.total_time else 0.0
+
+
+def _accept(
+    passed: TargetPass, tokens: torch.Tensor, spec: TreeSpec, sampling: SamplingParams, mode: str, generator
+) -> AcceptResult:
+    if sampling.is_greedy:
+        return accept_greedy(tokens, passed.logits.argmax(-1), spec)
+    p = warp_probs(passed.logits, sampling)
+    if mode == "typical":
+        return accept_typical(p, tokens, spec, generator=generator)
+    # Children are the heads' deterministic top-k picks: variant C is the exact rule for them.
+    return accept_rejection(p, tokens, spec, variant="deterministic", q=None, generator=generator)
+
+
+def _first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
+    if sampling.is_greedy:
+        return int(logits.argmax())
+    return sample(warp_probs(logits, sampling), generator)
+
+
+def _tree_that_fits(spec: TreeSpec, prefix_len: int, limit: int | None) -> TreeSpec | None:
+    """The tree if its deepest node still has a position inside the context; else a shorter chain."""
+    if limit is None or prefix_len + spec.max_depth < limit:
+        return spec
+    room = limit - prefix_len - 1
+    return TreeSpec.chain(room) if room >= 0 else None
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    heads,
+    input_ids: torch.Tensor,
+    *,
+    spec: TreeSpec,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_token_ids: Iterable[int] = (),
+    acceptance: str = "rejection",
+    streamer=None,
+) -> GenerationOutput:
+    """Generate up to `max_new_tokens` after input_ids [1, T]; the output distribution is the target's.
+
+    streamer: anything with transformers' streamer interface (`put(tensor)`, `end()`).
+    """
+    if acceptance not in ACCEPTANCE_MODES:
+        raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    limit = max_context(target)
+    prompt_len = input_ids.shape[1]
+    if limit is not None and prompt_len >= limit:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens but the target's context holds {limit}; shorten the prompt"
+        )
+    stops = set(int(t) for t in stop_token_ids)
+    stats = GenerationStats()
+    generator = sampling.make_generator(input_ids.device)
+    drafter = make_drafter(heads)
+    cache = kv.new_cache()
+    start = time.perf_counter()
+
+    passed = prefill(target, input_ids, cache)
+    stats.target_forwards += 1
+    root = _first_token(passed.logits[-1], sampling, generator)
+    stats.prefill_time = time.perf_counter() - start
+    out: list[int] = []
+
+    def emit(new: list[int]) -> bool:
+        """Append tokens up to a stop token or the budget; True when generation is over."""
+        for i, tok in enumerate(new):
+            if tok in stops or len(out) + i + 1 >= max_new_tokens:
+                chunk, done = new[: i + 1], True
+                stats.finish_reason = "stop" if tok in stops else "length"
+                break
+        else:
+            chunk, done = new, False
+        out.extend(chunk)
+        if streamer is not None:
+            streamer.put(torch.tensor(chunk))
+        return done
+
+    if streamer is not None:
+        streamer.put(input_ids[0].cpu())
+    done = emit([root])
+    next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=input_ids.device)])
+    drafter.observe(next_tokens, passed.hidden_states, torch.arange(prompt_len, device=input_ids.device))
+
+    while not done:
+        prefix = kv.cache_length(cache)
+        tree = _tree_that_fits(spec, prefix, limit)
+        if tree is None:
+            stats.finish_reason = "context"
+            break
+        t0 = time.perf_counter()
+        draft = drafter.draft(root, tree)
+        t1 = time.perf_counter()
+        passed = verify_tree(target, cache, draft.tokens.to(input_ids.device), tree)
+        result = _accept(passed, draft.tokens, tree, sampling, acceptance, generator)
+        path = torch.tensor([0, *result.accepted], dtype=torch.long, device=input_ids.device)
+        kv.keep_positions(cache, prefix, prefix + path)
+        stats.verify_time += time.perf_counter() - t1
+        stats.draft_time += t1 - t0
+        stats.record(len(result.accepted), tree.max_depth, tree.size)
+
+        new = [int(draft.tokens[a]) for a in result.accepted] + [result.next_token]
+        done = emit(new)
+        if not done:
+            drafter.observe(torch.tensor(new), passed.hidden_states, path)
+        root = result.next_token
+
+    stats.total_time = time.perf_counter() - start
+    if streamer is not None:
+        streamer.end()
+    return GenerationOutput(tokens=out, stats=stats)

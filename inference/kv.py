@@ -1,0 +1,82 @@
+"""The one adapter over every transformers-version-sensitive call selfdraft makes.
+
+transformers renamed the forward cache keyword (`past_key_values` -> `cache` in 5.24) and changed the
+meaning of `DynamicCache.crop(n>0)` (absolute length before 5.15, an error after). Everything that
+touches a cache goes through this module so a future rename is a one-line fix here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def new_cache() -> DynamicCache:
+    """A plain dynamic cache with full-attention layers (selfdraft supplies its own 4D masks)."""
+    return DynamicCache()
+
+
+@lru_cache(maxsize=64)
+def _cache_keyword(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict:
+    """Keyword arguments that hand `cache` to `model.forward` under this transformers version."""
+    return {_cache_keyword(type(model)): cache, "use_cache": True}
+
+
+def output_cache(outputs) -> DynamicCache | None:
+    """The cache object returned by a forward, whatever the output field is called."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(outputs, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return int(cache.get_seq_length())
+
+
+def _layers(cache: DynamicCache):
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # transformers < 4.56 kept key_cache / value_cache lists
+        raise RuntimeError("this transformers version's DynamicCache has no .layers; upgrade to >= 4.57")
+    return layers
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Truncate every layer of `cache` to its first `length` positions."""
+    drop = cache_length(cache) - length
+    if drop < 0:
+        raise ValueError(f"cannot crop a cache of length {cache_length(cache)} to {length}")
+    if drop > 0:
+        cache.crop(-drop)  # negative = "remove this many": the one form every version accepts
+
+
+def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
+    """Compact the cache to `[:prefix_len]` followed by the positions `keep` (absolute indices, sorted).
+
+    keep: [m] long tensor of absolute cache positions >= prefix_len, in the order they are kept.
+    Used after tree verification to retain only the accepted path's keys and values.
+    """
+    index = torch.cat([torch.arange(prefix_len, device=keep.device), keep.to(torch.long)])
+    for layer in _layers(cache):
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("tree KV compaction of sliding-window cache layers is not supported")
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        idx = index.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+
+
+def check_model_takes_cache(model: PreTrainedModel) -> None:
+    params = inspect.signature(type(model).forward).parameters
+    if "cache" not in params and "past_key_values" not in params:
+        raise TypeError(f"{type(model).__name__}.forward takes no KV cache argument; selfdraft cannot drive it")

@@ -1,0 +1,149 @@
+"""`SelfDraftModel`: a frozen target with draft heads attached, and its `generate`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+import yaml
+
+from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
+from selfdraft.inference.decoding import GenerationOutput, speculative_generate
+from selfdraft.inference.sampling import SamplingParams
+from selfdraft.inference.target import load_target
+from selfdraft.inference.tree import NAMED_TREES, TreeSpec
+
+logger = logging.getLogger(__name__)
+
+SHIPPED = "shipped"  # heads= default: the checkpoint shipped for an embedded target, if any
+CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+
+TreeLike = TreeSpec | str | Sequence[Sequence[int]]
+
+
+def resolve_tree(tree: TreeLike) -> TreeSpec:
+    """A TreeSpec, a shipped tree name, `chain-N`, a YAML file with `paths:`, or a list of rank paths."""
+    if isinstance(tree, TreeSpec):
+        return tree
+    if isinstance(tree, str):
+        if tree in NAMED_TREES:
+            return NAMED_TREES[tree]
+        if tree.startswith("chain-") and tree[6:].isdigit():
+            return TreeSpec.chain(int(tree[6:]))
+        path = Path(tree)
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            data = yaml.safe_load(path.read_text())
+            if not isinstance(data, dict) or set(data) - {"paths", "description"} or "paths" not in data:
+                raise ValueError(f"{path}: a tree file holds `paths:` (list of rank lists) and optional `description:`")
+            return TreeSpec.from_paths(data["paths"])
+        raise ValueError(f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, or a YAML file")
+    return TreeSpec.from_paths(tree)
+
+
+def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | None:
+    kinds = [head_kind] if head_kind else ["eagle", "medusa"]
+    for kind in kinds:
+        path = CHECKPOINTS_DIR / f"{target_name.lower()}-{kind}"
+        if (path / "config.json").is_file():
+            return path
+    return None
+
+
+def _as_prompt_ids(input_ids, device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise NotImplementedError(f"input_ids of shape {tuple(ids.shape)}: selfdraft generates one sequence at a time")
+    if ids.shape[1] == 0:
+        raise ValueError("input_ids is empty")
+    return ids
+
+
+class SelfDraftModel:
+    """Holds a target, its tokenizer and heads; `generate` decodes speculatively and losslessly."""
+
+    def __init__(self, target, tokenizer, heads, tree: TreeLike = "small") -> None:
+        check_compatible(heads.config, target.config)
+        self.target = target
+        self.tokenizer = tokenizer
+        self.heads = heads.attach(target).to(target.device).eval()
+        self.tree = resolve_tree(tree)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        heads: str | Path | HeadsConfig | None = SHIPPED,
+        *,
+        tree: TreeLike = "small",
+        head_kind: str = "eagle",
+        attn_implementation: str = "sdpa",
+        dtype: torch.dtype = torch.float32,
+        **target_kwargs,
+    ) -> SelfDraftModel:
+        """Load `target` (embedded name, folder or hub id) and attach heads.
+
+        heads: a checkpoint folder; None for fresh, untrained heads of `head_kind` (still lossless,
+        just slower); a HeadsConfig to build fresh heads of that shape; omitted -> the checkpoint
+        shipped for this target, or fresh heads if none is shipped.
+        """
+        model, tokenizer = load_target(target, attn_implementation=attn_implementation, dtype=dtype, **target_kwargs)
+        if heads == SHIPPED:
+            heads = shipped_heads_dir(str(target))
+            if heads is None:
+                logger.warning("no heads are shipped for %s: using fresh, untrained heads", target)
+        if heads is None:
+            heads = HeadsConfig.for_target(model.config, head_kind=head_kind)
+        if isinstance(heads, HeadsConfig):
+            module = build_heads(heads).to(dtype).attach(model)
+            module.init_projection_from_target()
+        else:
+            module = load_heads(heads, model, dtype=dtype)
+        return cls(model, tokenizer, module, tree=tree)
+
+    def default_stop_ids(self) -> list[int]:
+        ids = self.target.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        tree: TreeLike | None = None,
+        acceptance: str = "rejection",
+        streamer=None,
+    ) -> GenerationOutput:
+        """Decode after `input_ids` ([T] or [1, T]); temperature 0 is greedy and token-identical to the
+        target's own greedy decoding. `acceptance="typical"` is Medusa's lossy typical acceptance."""
+        return speculative_generate(
+            self.target,
+            self.heads,
+            _as_prompt_ids(input_ids, self.target.device),
+            spec=resolve_tree(tree) if tree is not None else self.tree,
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            stop_token_ids=self.default_stop_ids() if stop_token_ids is None else stop_token_ids,
+            acceptance=acceptance,
+            streamer=streamer,
+        )
+
+    def chat_ids(self, prompt: str) -> torch.Tensor:
+        """Token ids of `prompt` as one user turn in the target's chat template (plain text without one)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        return self.tokenizer(prompt, return_tensors="pt").input_ids

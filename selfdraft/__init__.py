@@ -1,0 +1,3 @@
+"""selfdraft: lossless speculative decoding with trainable self-drafting heads."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,52 @@
+"""Tiny random-init targets of real architectures (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from selfdraft.inference.target import prepare_target
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    "gemma": lambda: GemmaConfig(**COMMON, head_dim=8),
+}
+
+
+def tiny_target(arch: str = "llama", attn: str = "sdpa", seed: int = 0):
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    # Random init gives near-uniform logits; a larger scale makes argmax decisions well separated.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return prepare_target(model)
+
+
+def greedy_reference(target, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """The target's own greedy continuation (no EOS stop; explicit mask so pad ids are not masked)."""
+    out = target.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, prompt.shape[1]:].tolist()

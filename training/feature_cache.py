@@ -1,0 +1,233 @@
+"""Target features for head training: computed online, or cached once on disk and memory-mapped.
+
+Both paths produce the same per-example dict, so a training loop cannot tell them apart:
+  {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "features": {layer: FloatTensor[T, h]},
+   + when top-k is stored: "target_topk_ids": LongTensor[T, k], "target_topk_logprobs": FloatTensor[T, k]}
+`layer` indexes `output_hidden_states`: 0 is the embedding output, L (num_hidden_layers) the post-norm
+last hidden state. The cache stores features in fp16, so the two paths agree up to fp16 rounding.
+
+Layout of out_dir: index.json (the shard plan, written first) and one folder per shard with
+input_ids.npy (int32 [N]), loss_mask.npy (uint8 [N]), offsets.npy (int64 [n+1]) and
+features_{layer}.npy (fp16 [N, h]) for the n examples (N tokens) of that shard, concatenated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+INDEX_FILE = "index.json"
+CACHE_VERSION = 1
+
+
+def normalize_layers(model, layers: Sequence[int]) -> list[int]:
+    """Layer indices into output_hidden_states (negative counts from the end) -> sorted non-negative."""
+    count = model.config.num_hidden_layers + 1
+    out = sorted({layer % count if -count <= layer < count else layer for layer in layers})
+    if not out or out[0] < 0 or out[-1] >= count:
+        raise ValueError(f"layers {list(layers)} must index output_hidden_states (0..{count - 1})")
+    return out
+
+
+@torch.no_grad()
+def compute_features(
+    model,
+    input_ids: torch.Tensor,
+    layers: Sequence[int],
+    attention_mask: torch.Tensor | None = None,
+    store_target_topk: int | None = None,
+) -> dict:
+    """One frozen-target forward. input_ids: [B, T] -> {"features": {layer: [B, T, h] float32}, ...}.
+
+    With store_target_topk=k also "target_topk_ids" [B, T, k] and "target_topk_logprobs" [B, T, k]
+    (log-softmax of the target's logits), enough to rebuild a truncated target distribution.
+    """
+    layers = normalize_layers(model, layers)
+    device = next(model.parameters()).device
+    out = model(
+        input_ids=input_ids.to(device),
+        attention_mask=None if attention_mask is None else attention_mask.to(device),
+        output_hidden_states=True,
+        use_cache=False,
+    )
+    result: dict = {"features": {layer: out.hidden_states[layer].float().cpu() for layer in layers}}
+    if store_target_topk:
+        top = torch.log_softmax(out.logits.float(), dim=-1).topk(store_target_topk, dim=-1)
+        result["target_topk_ids"] = top.indices.cpu()
+        result["target_topk_logprobs"] = top.values.cpu()
+    return result
+
+
+def example_features(
+    model, example: dict, layers: Sequence[int], store_target_topk: int | None = None
+) -> dict:
+    """The online path: one dataset row -> the per-example dict `HiddenStateCache` returns."""
+    input_ids = torch.as_tensor(example["input_ids"], dtype=torch.long)
+    computed = compute_features(model, input_ids[None], layers, store_target_topk=store_target_topk)
+    result = {
+        "input_ids": input_ids,
+        "loss_mask": torch.as_tensor(example["loss_mask"], dtype=torch.long),
+        "features": {layer: f[0] for layer, f in computed["features"].items()},
+    }
+    for key in ("target_topk_ids", "target_topk_logprobs"):
+        if key in computed:
+            result[key] = computed[key][0]
+    return result
+
+
+def _plan_shards(lengths: list[int], shard_tokens: int) -> list[dict]:
+    """Consecutive examples grouped until a shard holds >= shard_tokens tokens (deterministic)."""
+    shards, start, tokens = [], 0, 0
+    for i, length in enumerate(lengths):
+        tokens += length
+        if tokens >= shard_tokens or i == len(lengths) - 1:
+            shards.append({"name": f"shard_{len(shards):05d}", "start": start, "count": i + 1 - start})
+            shards[-1]["tokens"] = tokens
+            start, tokens = i + 1, 0
+    return shards
+
+
+def _fingerprint(dataset) -> str:
+    digest = hashlib.sha256()
+    rows = dataset["input_ids"] if hasattr(dataset, "column_names") else (r["input_ids"] for r in dataset)
+    for ids in rows:
+        arr = np.asarray(ids, dtype=np.int32)
+        digest.update(np.int64(arr.size).tobytes())
+        digest.update(arr.tobytes())
+    return digest.hexdigest()
+
+
+def _write_shard(model, rows: list[dict], layers: list[int], topk: int | None, dest: Path, batch_size: int):
+    """Compute one shard in memory and write it to dest via a temporary folder (atomic rename)."""
+    chunks: dict[str, list[np.ndarray]] = {}
+    for b in range(0, len(rows), batch_size):
+        batch = rows[b : b + batch_size]
+        width = max(len(r["input_ids"]) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for j, row in enumerate(batch):  # right padding: causal attention leaves real positions untouched
+            ids[j, : len(row["input_ids"])] = torch.as_tensor(row["input_ids"])
+            attention[j, : len(row["input_ids"])] = 1
+        computed = compute_features(model, ids, layers, attention, store_target_topk=topk)
+        for j, row in enumerate(batch):
+            n = len(row["input_ids"])
+            for layer, feats in computed["features"].items():
+                half = feats[j, :n].to(torch.float16)
+                if not torch.isfinite(half).all():
+                    raise OverflowError(f"layer {layer} features overflow fp16; cache another layer")
+                chunks.setdefault(f"features_{layer}", []).append(half.numpy())
+            if topk:
+                top_ids = computed["target_topk_ids"][j, :n].numpy().astype(np.int32)
+                chunks.setdefault("topk_ids", []).append(top_ids)
+                lp = computed["target_topk_logprobs"][j, :n].clamp(min=-60000.0)  # -inf would not round-trip
+                chunks.setdefault("topk_logprobs", []).append(lp.to(torch.float16).numpy())
+            chunks.setdefault("input_ids", []).append(np.asarray(row["input_ids"], dtype=np.int32))
+            chunks.setdefault("loss_mask", []).append(np.asarray(row["loss_mask"], dtype=np.uint8))
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lengths = [len(r["input_ids"]) for r in rows]
+    np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    for name, parts in chunks.items():
+        np.save(tmp / f"{name}.npy", np.concatenate(parts, axis=0))
+    tmp.rename(dest)  # a shard folder exists only once every file in it is complete
+
+
+def cache_hidden_states(
+    model,
+    dataset,
+    out_dir: str | Path,
+    layers: Sequence[int],
+    shard_tokens: int = 1 << 20,
+    store_target_topk: int | None = None,
+    batch_size: int = 8,
+) -> Path:
+    """Run the frozen target over `dataset` (rows with input_ids, loss_mask) and cache its features.
+
+    Resumable: the shard plan is fixed in index.json before any work, finished shards are skipped, and a
+    rerun over a different dataset, layer set or top-k refuses to mix caches.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layers = normalize_layers(model, layers)
+    lengths = [len(ids) for ids in dataset["input_ids"]] if hasattr(dataset, "column_names") else None
+    lengths = lengths or [len(row["input_ids"]) for row in dataset]
+    index = {
+        "version": CACHE_VERSION,
+        "layers": layers,
+        "hidden_size": model.config.hidden_size,
+        "store_target_topk": store_target_topk,
+        "num_examples": len(lengths),
+        "dataset_fingerprint": _fingerprint(dataset),
+        "target": getattr(model.config, "_name_or_path", ""),
+        "shards": _plan_shards(lengths, shard_tokens),
+    }
+    index_path = out_dir / INDEX_FILE
+    if index_path.exists():
+        old = json.loads(index_path.read_text())
+        if old != index:
+            raise ValueError(f"{out_dir} holds a cache of other data/layers/top-k; use a new out_dir")
+    else:
+        index_path.write_text(json.dumps(index, indent=1))
+    todo = [s for s in index["shards"] if not (out_dir / s["name"]).is_dir()]
+    with tqdm(total=sum(lengths), desc="cache features", unit="tok", unit_scale=True) as bar:
+        bar.update(sum(lengths) - sum(s["tokens"] for s in todo))
+        for shard in todo:
+            rows = [dataset[i] for i in range(shard["start"], shard["start"] + shard["count"])]
+            _write_shard(model, rows, layers, store_target_topk, out_dir / shard["name"], batch_size)
+            bar.update(shard["tokens"])
+    return out_dir
+
+
+class HiddenStateCache(torch.utils.data.Dataset):
+    """Map-style reader of a finished cache; each item is the dict `example_features` returns."""
+
+    def __init__(self, out_dir: str | Path):
+        self.root = Path(out_dir)
+        self.index = json.loads((self.root / INDEX_FILE).read_text())
+        missing = [s["name"] for s in self.index["shards"] if not (self.root / s["name"]).is_dir()]
+        if missing:
+            raise FileNotFoundError(
+                f"{self.root}: {len(missing)} shards not written yet; rerun cache_hidden_states to resume"
+            )
+        self.layers: list[int] = self.index["layers"]
+        self._starts = [s["start"] for s in self.index["shards"]]
+        self._open: dict[int, dict[str, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return self.index["num_examples"]
+
+    def _shard(self, k: int) -> dict[str, np.ndarray]:
+        if k not in self._open:  # mmap: only the pages an example touches are read
+            folder = self.root / self.index["shards"][k]["name"]
+            self._open[k] = {p.stem: np.load(p, mmap_mode="r") for p in folder.glob("*.npy")}
+        return self._open[k]
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = bisect.bisect_right(self._starts, i) - 1
+        arrays = self._shard(k)
+        local = i - self._starts[k]
+        lo, hi = int(arrays["offsets"][local]), int(arrays["offsets"][local + 1])
+
+        def take(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.array(arrays[name][lo:hi])).to(dtype)
+
+        item = {
+            "input_ids": take("input_ids", torch.long),
+            "loss_mask": take("loss_mask", torch.long),
+            "features": {layer: take(f"features_{layer}", torch.float32) for layer in self.layers},
+        }
+        if self.index["store_target_topk"]:
+            item["target_topk_ids"] = take("topk_ids", torch.long)
+            item["target_topk_logprobs"] = take("topk_logprobs", torch.float32)
+        return item
