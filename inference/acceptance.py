@@ -146,7 +146,8 @@ def _verify_deterministic(
     p_x = p[[x for _, x in firsts]].tolist()
     rejected_mass = 0.0
     for (node, _), p_xi, u in zip(firsts, p_x, _uniforms(len(firsts), generator, p.device), strict=True):
-        if u * (1.0 - rejected_mass) < p_xi:  # u < p'(x_i), written without dividing by ~0
+        # u < p'(x_i), written without dividing by ~0; p(x_i) > 0 guards rounding past mass 1
+        if p_xi > 0.0 and u * (1.0 - rejected_mass) < p_xi:
             return node, None
         rejected_mass += p_xi
     tried = torch.tensor([x for _, x in firsts], device=p.device)

@@ -31,9 +31,12 @@ from selfdraft.inference.tree import TreeSpec
 # ---- toy target and drafters -------------------------------------------------------------------------
 V = 8
 START = 0
-N_SAMPLES = 10_000  # per lossless run; one sample costs ~0.2-0.5 ms on a 2-core CPU
-# The lossy rules below miss the gate by factors of 100+ at 12k samples (chi2 ~13k and ~77k vs. a
-# critical value of 108), so a few thousand samples detect them with an enormous margin.
+# Per lossless run. One sample costs ~0.2-0.5 ms on a 2-core CPU, which caps the file at ~100k samples.
+# With 8k, a correct rule gives chi2 ~ df (~63 for the joint at T = 1) against a critical value of ~108,
+# and a subtle bug (skipping repeated i.i.d. siblings without their residual step) scores ~400.
+N_SAMPLES = 8_000
+# The lossy rules below miss the gate by factors of 10-700 (e.g. chi2 ~13k and ~77k vs. 108 at 12k
+# samples), so a few thousand samples detect them with an enormous margin.
 N_NEGATIVE = 3_000
 
 _g = torch.Generator().manual_seed(1234)
@@ -174,7 +177,7 @@ def passes(stats: dict[str, tuple[float, float]]) -> bool:
 LOSSLESS_CASES = [
     # (variant, tree, warp, drafter). The adversarial drafter makes most drafts fail, so the residual
     # path carries the output; it is what exposes subtle bugs (e.g. skipping repeated i.i.d. siblings
-    # without their residual step fails the wide iid case: chi2 ~565 vs. critical 108 at n = 12k).
+    # without their residual step fails the wide iid case).
     ("iid", CHAIN, T1, NOISY_Q),
     ("iid", WIDE, T1, ADVERSARIAL_Q),  # i.i.d. siblings repeat often with V = 8: de-duplication
     ("iid", RAGGED, T07_TOPK, ADVERSARIAL_Q),
@@ -216,11 +219,14 @@ def test_deterministic_rule_is_lossless_for_any_children():
         # Softmax q used with the i.i.d. rule on top-k children (the mixing ANCHORS.md warns about):
         # the top-1 child x is accepted w.p. min(1, p(x)/q(x)) although it was never a draw from q.
         ("iid-rule-on-topk-children", CHAIN, "topk", _rejection("iid")),
+        # The i.i.d. rule on children drawn without replacement: q is not updated after a rejection.
+        ("iid-rule-on-distinct-children", WIDE, "without_replacement", _rejection("iid")),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_gate_detects_lossy_rules(name, spec, mode, accept):
-    prefixes = _generate_prefixes(spec, T1, NOISY_Q, mode, accept, N_NEGATIVE, 13)
+    q = ADVERSARIAL_Q if mode == "without_replacement" else NOISY_Q  # where each bias is largest
+    prefixes = _generate_prefixes(spec, T1, q, mode, accept, N_NEGATIVE, 13)
     stats = gate(prefixes, T1)
     assert not passes(stats), stats
 

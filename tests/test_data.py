@@ -62,6 +62,7 @@ def test_truncated_sharegpt_gives_every_complete_record_and_nothing_else():
 
 
 def test_synthetic_truncated_array_gives_exactly_the_complete_prefix(tmp_path):
+    # values that look like JSON structure must not confuse the record boundaries
     records = [
         {"id": f"r{i}", "conversations": [{"from": "human", "value": "x" * i + ', "]}'}]} for i in range(4)
     ]
@@ -138,7 +139,8 @@ MULTI_TURN = [
 def test_loss_mask_is_exactly_the_assistant_turns(tok, messages):
     row = render_chat(tok, messages, max_length=4096)
     expected_ids = tok.apply_chat_template(messages, tokenize=True)
-    expected_ids = expected_ids["input_ids"] if isinstance(expected_ids, dict) else expected_ids
+    # transformers 4.x returns a list, 5.x a BatchEncoding
+    expected_ids = expected_ids if isinstance(expected_ids, list) else expected_ids["input_ids"]
     assert row["input_ids"] == list(expected_ids)
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
     assert _masked_runs(tok, row) == [a + tok.eos_token for a in answers]
@@ -153,7 +155,8 @@ def test_loss_mask_is_exactly_the_assistant_turns(tok, messages):
 def test_loss_mask_follows_any_template_not_a_hard_coded_one(tok):
     other = copy.deepcopy(tok)
     other.chat_template = (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}### Question:\n{{ m['content'] }}\n"
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'user' %}### Question:\n{{ m['content'] }}\n"
         "{% else %}### Answer:\n{{ m['content'] | trim }}{{ eos_token }}\n\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}### Answer:\n{% endif %}"
     )
@@ -168,20 +171,29 @@ def test_loss_mask_follows_any_template_not_a_hard_coded_one(tok):
     assert "### Answer" in _unmasked_text(other, row)
 
 
-def test_truncation_and_early_cut_keep_the_full_rendering_prefix(tok):
+def test_truncation_and_early_cut_keep_the_full_rendering_prefix(tok, monkeypatch):
     long_chat = []
     for i in range(12):
         long_chat += [
             {"role": "user", "content": f"question {i} " * 30},
-            # whitespace runs make very long tokens: exercises the full re-render fallback
-            {"role": "assistant", "content": (" " * 200 + "x") * 3 if i % 2 else f"answer {i} " * 40},
+            # whitespace runs make ~40-character tokens: the cut text holds too few tokens, so the
+            # conversation must be re-rendered in full
+            {"role": "assistant", "content": (" " * 200 + "x") * 20 if i % 2 else f"answer {i} " * 40},
         ]
     text, spans = data.assistant_char_spans(tok, long_chat)
     full = data._tokenize_chats(tok, [(text, spans)], max_length=10**9)[0]
+    budgets = []
+    real = data.assistant_char_spans
+    monkeypatch.setattr(
+        data,
+        "assistant_char_spans",
+        lambda t, m, max_chars=None: budgets.append(max_chars) or real(t, m, max_chars),
+    )
     for max_length in (1, 37, 128, 600, 5000):
         row = render_chat(tok, long_chat, max_length=max_length)
         assert row["input_ids"] == full["input_ids"][:max_length]
         assert row["loss_mask"] == full["loss_mask"][:max_length]
+    assert None in budgets and budgets[0] is not None  # both the cut and the fallback ran
 
 
 def test_assistant_first_or_unrenderable_conversation_is_rejected(tok):
@@ -239,6 +251,9 @@ def test_heldout_split_is_deterministic_disjoint_and_written(tok, tmp_path):
     assert written["ids"] == sorted(held_a["id"]) and written["heldout_fraction"] == 0.25
     assert ("dup7" in held_a["id"]) == ("c7" in held_a["id"])
     assert is_heldout(records[3], 0.0) is False
+    clashing = [*records, {**records[0], "id": next(iter(held_a["id"]))}]
+    with pytest.raises(ValueError, match="unique"):
+        build_dataset([clashing], tok, 64, seed=1, heldout_fraction=0.25, run_dir=tmp_path / "d")
     again, _ = build_dataset([records], tok, 64, seed=1, heldout_fraction=0.25, run_dir=tmp_path / "c")
     assert again["input_ids"] == train_a["input_ids"]
 

@@ -106,6 +106,8 @@ Rendered = tuple[str, list[tuple[int, int]]]  # (chat text, assistant character 
 def _tokenize_chats(tokenizer, rendered: list[Rendered], max_length: int) -> list[dict]:
     # One batched call: the Rust tokenizer spreads a batch over all cores. apply_chat_template(tokenize=True)
     # also tokenizes the rendered text with add_special_tokens=False, so the ids are the same.
+    if not rendered:
+        return []  # tokenizers reject an empty batch
     enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
     rows = []
     for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered, strict=True):
@@ -265,6 +267,12 @@ def build_dataset(
         logger.warning("skipped %d records: %s", count, reason)
     if not train_rows:
         raise ValueError(f"no trainable rows out of {len(records)} records")
+    clash = heldout_ids & {row["id"] for row in train_rows}
+    if clash:  # the id list would then name training text as held-out
+        raise ValueError(
+            f"{len(clash)} ids name records with different prompts, e.g. {sorted(clash)[:3]}; "
+            "record ids must be unique across sources"
+        )
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     payload = {"heldout_fraction": heldout_fraction, "rule": "sha256(split_key) < fraction"}

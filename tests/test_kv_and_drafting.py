@@ -1,0 +1,112 @@
+"""KV compaction after an accepted path, and EAGLE tree drafting against a cache-free recomputation."""
+
+import pytest
+import torch
+from tiny_models import tiny_target
+
+from selfdraft.heads import HeadsConfig, build_heads
+from selfdraft.inference import kv
+from selfdraft.inference.drafting import EagleDrafter, MedusaDrafter
+from selfdraft.inference.tree import NAMED_TREES, TreeSpec
+from selfdraft.inference.verify import prefill, verify_tree
+
+SPEC = TreeSpec.from_paths([(0, 0, 0), (0, 1), (1, 0), (2,)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+@pytest.mark.parametrize("path_ranks", [(), (0,), (0, 1), (1, 0), (0, 0, 0)])
+def test_compacted_cache_equals_fresh_forward(arch, path_ranks):
+    target = tiny_target(arch)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 96, (1, 6), generator=gen)
+    tokens = torch.randint(0, 96, (SPEC.size,), generator=gen)
+    cache = kv.new_cache()
+    prefill(target, prompt, cache)
+    verify_tree(target, cache, tokens, SPEC)
+    node = SPEC.paths.index(path_ranks)
+    path = SPEC.path_to(node)
+    kv.keep_positions(cache, 6, 6 + torch.tensor(path))
+    assert kv.cache_length(cache) == 6 + len(path)
+    nxt = torch.tensor([[17, 4]])
+    with torch.no_grad():
+        step = target(input_ids=nxt, **kv.cache_kwargs(target, cache)).logits[0]
+        fresh = target(input_ids=torch.cat([prompt[0], tokens[path], nxt[0]])[None]).logits[0, -2:]
+    torch.testing.assert_close(step, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_crop_and_errors():
+    target = tiny_target("llama")
+    cache = kv.new_cache()
+    prefill(target, torch.arange(10)[None], cache)
+    kv.crop(cache, 4)
+    assert kv.cache_length(cache) == 4
+    with pytest.raises(ValueError):
+        kv.crop(cache, 9)
+
+
+def _eagle_reference_tokens(head, prompt_tokens, root, feats, spec, k) -> list[int]:
+    """Recompute every node's token by running the head on each root-to-node path, with no cache."""
+    expected_tokens = {0: root}
+    for u in range(spec.size):
+        if not spec.children[u]:
+            continue
+        path_nodes = spec.path_to(u)
+        toks, fs = list(prompt_tokens[1:]) + [root], list(feats)
+        out_feature = None
+        # consume the prompt pairs, then each path node fed with its parent's predicted feature
+        for step in range(len(path_nodes)):
+            if step > 0:
+                toks.append(expected_tokens[path_nodes[step]])
+                fs.append(out_feature)
+            ids = torch.tensor(toks)[None]
+            f = torch.stack(fs)[None]
+            pos = torch.arange(len(toks))[None]
+            out_feature = head(ids, f, position_ids=pos)[0, -1]
+        ranked = torch.topk(head.logits(out_feature), k).indices
+        for c in spec.children[u]:
+            expected_tokens[c] = int(ranked[spec.ranks[c]])
+    return [expected_tokens[i] for i in range(spec.size)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+@pytest.mark.parametrize("spec", [NAMED_TREES["small"], TreeSpec.chain(4)], ids=["small", "chain"])
+def test_eagle_tree_drafting_matches_cache_free_recomputation(arch, spec):
+    torch.manual_seed(0)
+    target = tiny_target(arch)
+    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))
+    cache = kv.new_cache()
+    passed = prefill(target, prompt, cache)
+    root = int(passed.logits[-1].argmax())
+    drafter = EagleDrafter(heads)
+    drafter.observe(torch.cat([prompt[0, 1:], torch.tensor([root])]), passed.hidden_states, torch.arange(5))
+    with torch.no_grad():
+        draft = drafter.draft(root, spec)
+        expected = _eagle_reference_tokens(
+            heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 4
+        )
+    assert draft.tokens.tolist() == expected
+    assert drafter.length == 5  # the tree's entries were cropped from the head's cache
+
+
+def test_medusa_drafting_uses_head_per_depth():
+    target = tiny_target("llama")
+    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="medusa")).attach(target)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    hidden = torch.randn(1, 3, 32)
+    drafter = MedusaDrafter(heads)
+    drafter.observe(torch.tensor([1, 2, 3]), (hidden,), torch.arange(3))
+    spec = NAMED_TREES["small"]
+    draft = drafter.draft(7, spec)
+    with torch.no_grad():
+        logits = heads.logits(hidden[0, -1])
+    for i in range(1, spec.size):
+        top = torch.topk(logits[spec.depths[i] - 1], spec.ranks[i] + 1).indices
+        assert draft.tokens[i] == top[spec.ranks[i]]
+    with pytest.raises(ValueError, match="Medusa heads"):
+        drafter.draft(7, TreeSpec.chain(5))

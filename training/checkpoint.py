@@ -1,0 +1,91 @@
+"""Checkpoints of a training run: DeepSpeed state for resume plus a consolidated heads export.
+
+Layout of output_dir:
+  run.json            what the run is (config fingerprint, world size) - resume refuses a mismatch
+  checkpoints/<tag>/  DeepSpeed engine state (written by engine.save_checkpoint; `latest` names the tag)
+  heads/              the latest consolidated heads in `save_heads` format (loads in SelfDraftModel)
+  log.jsonl           one JSON record per logged step / evaluation
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from selfdraft.heads.io import save_heads
+
+RUN_FILE = "run.json"
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+def run_meta(fingerprint: str, world_size: int) -> dict:
+    return {"fingerprint": fingerprint, "world_size": world_size}
+
+
+def check_or_write_meta(output_dir: Path, meta: dict, resume: bool) -> None:
+    """On resume the stored run must match; a fresh run refuses to overwrite another run's checkpoints."""
+    path = output_dir / RUN_FILE
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        if not resume:
+            if latest_tag(output_dir):
+                raise ResumeError(
+                    f"{output_dir} already holds checkpoints; pass --resume to continue it or use a new output_dir"
+                )
+        elif stored["world_size"] != meta["world_size"]:
+            raise ResumeError(
+                f"checkpoint in {output_dir} was written by {stored['world_size']} processes, this job has "
+                f"{meta['world_size']}; resume with --nproc {stored['world_size']} or start a new output_dir"
+            )
+        elif stored["fingerprint"] != meta["fingerprint"]:
+            raise ResumeError(
+                f"checkpoint in {output_dir} was trained with a different config (fingerprint "
+                f"{stored['fingerprint']} != {meta['fingerprint']}); restore that config or use a new output_dir"
+            )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=1))
+
+
+def latest_tag(output_dir: Path) -> str | None:
+    latest = output_dir / "checkpoints" / "latest"
+    if not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    return tag if (output_dir / "checkpoints" / tag).is_dir() else None
+
+
+def prune_checkpoints(output_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoint tags (never the one `latest` names)."""
+    root = output_dir / "checkpoints"
+    current = latest_tag(output_dir)
+    tags = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in tags[:-keep] if keep > 0 else []:
+        if old.name != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def export_heads(engine, heads, output_dir: Path, rank: int, zero_stage: int) -> Path | None:
+    """Write the consolidated heads (every rank joins the gather under ZeRO-3; rank 0 writes)."""
+    dest = output_dir / "heads"
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(heads.parameters()), modifier_rank=None):
+            if rank == 0:
+                _atomic_save(heads, dest)
+    elif rank == 0:
+        _atomic_save(heads, dest)
+    return dest if rank == 0 else None
+
+
+def _atomic_save(heads, dest: Path) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_heads(heads, tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)

@@ -1,0 +1,140 @@
+"""The run config: typed dataclasses read from YAML; an unknown key is an error naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class HeadsSection:
+    kind: str = "eagle"  # "eagle" | "medusa"
+    draft_vocab_size: int | None = None  # reduced draft vocabulary (most frequent training tokens)
+    feature_layers: list[int] = field(default_factory=lambda: [-1])
+    medusa_num_heads: int = 4
+    medusa_num_layers: int = 1
+    medusa_own_lm_head: bool = False
+    init_from: str | None = None  # a heads folder to continue from (fine-tuning)
+
+
+@dataclass
+class DataSection:
+    sources: list[str] = field(default_factory=lambda: ["sharegpt"])  # sharegpt | python-stdlib | path | hf name
+    max_length: int = 512
+    limit_records: int | None = None
+    heldout_fraction: float = 0.02
+    seed: int = 0
+    feature_cache: str | None = None  # folder for cached target features; None = computed online
+
+
+@dataclass
+class TrainSection:
+    epochs: float = 1.0
+    max_steps: int | None = None  # overrides epochs when set
+    micro_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    ttt_steps: int = 1  # EAGLE "training-time test": unroll the head on its own features n times
+    ttt_decay: float = 0.8
+    feature_weight: float = 0.1  # SmoothL1 on predicted features (EAGLE-1); 0 disables
+    ce_weight: float = 1.0  # soft CE / forward KL against the target's distribution
+    medusa_decay: float = 0.8
+    seed: int = 0
+
+
+@dataclass
+class ScheduleSection:
+    save_every: int = 200
+    eval_every: int = 200
+    log_every: int = 10
+    eval_examples: int = 64
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class RunConfig:
+    target: str = "smollm2-135m-instruct"
+    output_dir: str = "runs/default"
+    deepspeed: str = "configs/deepspeed/zero1.json"
+    heads: HeadsSection = field(default_factory=HeadsSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes what a step computes (not where or how often it saves)."""
+        data = dataclasses.asdict(self)
+        data.pop("schedule")
+        data.pop("output_dir")
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check_type(value, annotation, where: str):
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(annotation):
+            try:
+                return _check_type(value, arg, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(f"{where}: {value!r} does not fit {annotation}")
+    if annotation is type(None):
+        if value is not None:
+            raise ConfigError(f"{where}: expected null, got {value!r}")
+        return None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(annotation)
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool):
+        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {annotation}")
+
+
+def _build(cls, raw: dict, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {where}{unknown[0]!r} (allowed: {', '.join(sorted(names))})")
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, f"{where}{name}.")
+        else:
+            values[name] = _check_type(value, hint, f"{where}{name}")
+    return cls(**values)
+
+
+def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
+    """Read a run config; `overrides` is a nested dict merged over the file (CLI flags)."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    for key, value in (overrides or {}).items():
+        raw.setdefault(key, {}).update(value) if isinstance(value, dict) else raw.__setitem__(key, value)
+    config = _build(RunConfig, raw, "")
+    if config.heads.kind not in ("eagle", "medusa"):
+        raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
+    return config

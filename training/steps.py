@@ -1,0 +1,166 @@
+"""One training step's math: heads forward on target features, losses and held-out metrics.
+
+Alignment (EAGLE): pair i = (x_{i+1}, f_i) at position i; the head outputs f_hat_{i+1}, whose logits
+predict x_{i+2}; its label is the target's distribution p(. | x_{<=i+1}) = softmax(lm_head(f_{i+1})).
+Training-time test (EAGLE-3): unroll step j feeds the head its own step j-1 output; query (j, i)
+drafts depth j+1 from base position b = i - j and sees the true context up to b plus its own j
+predecessors on the diagonal, which is exactly what tree drafting shows the head at inference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from selfdraft.heads.eagle import EagleHead
+from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.inference import kv
+from selfdraft.training.objectives import forward_kl, ttt_weights
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    metrics: dict[str, float]
+    # per depth j: (correct [B, T'] bool, valid [B, T'] bool) of draft argmax vs target argmax
+    depth_hits: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """Additive mask [1, 1, T, (step+1) T] for unroll step `step` over blocks 0..step of length T.
+
+    Query i of block `step` sees block 0 at positions <= i - step and block k (1..step) at position
+    i - step + k only. Rows with i < step have no valid base; they keep their diagonal to stay finite.
+    """
+    i = torch.arange(length, device=device)[:, None]
+    c = torch.arange(length, device=device)[None, :]
+    blocks = [c <= i - step]
+    blocks += [c == i - step + k for k in range(1, step + 1)]
+    allowed = torch.cat(blocks, dim=1)
+    if step > 0:
+        allowed[:, -length:] |= torch.eye(length, dtype=torch.bool, device=device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def _vocab_rows(heads, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """Rows of the target's lm_head for the heads' output vocabulary: [V', h]."""
+    vocab = getattr(heads, "draft_vocab", None)
+    return lm_head_weight if vocab is None else lm_head_weight[vocab.target_ids()]
+
+
+def target_logits(features_last: torch.Tensor, heads, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """The target's logits restricted to the heads' vocab: [B, T, V'] from post-norm features [B, T, h]."""
+    return features_last @ _vocab_rows(heads, lm_head_weight).T
+
+
+def eagle_step(
+    heads: EagleHead,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden: list[torch.Tensor | None],
+    lm_head_weight: torch.Tensor,
+    *,
+    ttt_steps: int,
+    ttt_decay: float,
+    feature_weight: float,
+    ce_weight: float,
+) -> StepOutput:
+    """input_ids, loss_mask: [B, T]; hidden: the target's output_hidden_states as a list of [B, T, h]
+    (None for layers not needed); hidden[-1] (post-norm, the target's logits come from it) is required."""
+    f = heads.fuse_features(hidden)  # [B, T, h]
+    last = hidden[-1]
+    B, T = input_ids.shape
+    n = T - 1
+    tokens, f_in = input_ids[:, 1:], f[:, :-1]
+    with torch.no_grad():
+        labels = target_logits(last[:, 1:], heads, lm_head_weight)  # [B, n, V']
+        feature_targets = last[:, 1:]
+    # x_{i+2} must exist and be a trained-on token
+    valid = torch.zeros(B, n, dtype=torch.bool, device=input_ids.device)
+    valid[:, :-1] = loss_mask[:, 2:].bool()
+    positions = torch.arange(n, device=input_ids.device)[None].expand(B, n)
+    weights = ttt_weights(ttt_steps, ttt_decay)
+    cache = kv.new_cache() if ttt_steps > 1 else None
+    loss = torch.zeros((), device=input_ids.device)
+    metrics: dict[str, float] = {}
+    hits = []
+    feats = f_in
+    for j in range(ttt_steps):
+        mask = ttt_mask(n, j, f.dtype, input_ids.device)
+        out = heads(tokens, feats, position_ids=positions, attention_mask=mask, cache=cache)
+        logits = heads.logits(out)
+        v = valid.clone()
+        v[:, :j] = False
+        kl = forward_kl(logits, labels, v)
+        feat = (F.smooth_l1_loss(out, feature_targets, reduction="none").mean(-1) * v).sum() / v.sum().clamp(min=1)
+        loss = loss + weights[j] * (ce_weight * kl + feature_weight * feat)
+        metrics[f"kl_{j}"] = float(kl)
+        with torch.no_grad():
+            hits.append((logits.argmax(-1) == labels.argmax(-1), v))
+        # next step reads this step's prediction at the previous position
+        feats = torch.cat([f_in[:, :1], out[:, :-1]], dim=1)
+    metrics["loss"] = float(loss)
+    return StepOutput(loss=loss, metrics=metrics, depth_hits=hits)
+
+
+def medusa_step(
+    heads: MedusaHeads,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden: list[torch.Tensor | None],
+    lm_head_weight: torch.Tensor,
+    *,
+    decay: float,
+) -> StepOutput:
+    """Head k at position t is trained towards the target's distribution at t+k+1 (predicting x_{t+k+2})."""
+    last = hidden[-1]
+    B, T = input_ids.shape
+    K = heads.num_heads
+    with torch.no_grad():
+        labels = target_logits(last, heads, lm_head_weight)  # [B, T, V']
+    loss = torch.zeros((), device=input_ids.device)
+    metrics: dict[str, float] = {}
+    hits = []
+    feats = last
+    for k in range(K):
+        shift = k + 1
+        if shift + 1 >= T:
+            break
+        logits = heads.logits(feats[:, : T - shift], slice(k, k + 1))[0]  # [B, T-shift, V']
+        target = labels[:, shift:]
+        v = torch.zeros(B, T - shift, dtype=torch.bool, device=input_ids.device)
+        v[:, : T - shift - 1] = loss_mask[:, shift + 1 :].bool()
+        kl = forward_kl(logits, target, v)
+        loss = loss + decay**k * kl
+        metrics[f"kl_{k}"] = float(kl)
+        with torch.no_grad():
+            hits.append((logits.argmax(-1) == target.argmax(-1), v))
+    metrics["loss"] = float(loss)
+    return StepOutput(loss=loss, metrics=metrics, depth_hits=hits)
+
+
+def simulated_chain_tau(depth_hits: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float]:
+    """Per-depth top-1 accuracy and the simulated acceptance length of a chain (bonus counted).
+
+    For base position b, depth j's draft lives at index b + j of hits[j]; the chain accepts while
+    every depth so far was correct. Teacher-forced on the text's tokens: exact for text the target
+    itself would produce greedily (self-distilled data), an estimate otherwise.
+    """
+    accs = [float(h[v].float().mean()) if v.any() else 0.0 for h, v in depth_hits]
+    if not depth_hits:
+        return accs, 1.0
+    h0, v0 = depth_hits[0]
+    run = v0 & h0
+    total = run.float()
+    for j, (h, v) in enumerate(depth_hits[1:], start=1):
+        shifted_h = torch.zeros_like(h0)
+        shifted_v = torch.zeros_like(v0)
+        shifted_h[:, : h.shape[1] - j] = h[:, j:]
+        shifted_v[:, : v.shape[1] - j] = v[:, j:]
+        run = run & shifted_h & shifted_v
+        total = total + run.float()
+    base = v0.float().sum().clamp(min=1)
+    return accs, 1.0 + float((total * v0).sum() / base)
