@@ -7,6 +7,9 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 HEAD_KINDS = ("medusa", "eagle")
+# "selfdraft": our EAGLE head (a 1-layer body of the target's own class); "eagle1" / "eagle3": the
+# published EAGLE-1 / EAGLE-3 head architectures (selfdraft.heads.published), for converted checkpoints.
+EAGLE_LAYOUTS = ("selfdraft", "eagle1", "eagle3")
 
 
 class HeadsConfig(PretrainedConfig):
@@ -20,6 +23,13 @@ class HeadsConfig(PretrainedConfig):
     draft_vocab_size: None borrows the target's lm_head; an int gives the heads their own projection
         onto a reduced draft vocabulary with `d2t` / `t2d` maps (EAGLE-3 convention).
     target_config: the target's config as a dict (EAGLE builds a 1-layer decoder from it).
+    eagle_layout: which EAGLE head architecture (see EAGLE_LAYOUTS); only "selfdraft" is our own.
+    eagle_layer_config: for "eagle1"/"eagle3", the published decoder layer's own dimensions (hidden,
+        heads, RoPE, biases, ...; see selfdraft.heads.published.LAYER_KEYS); None derives them from
+        target_config.
+    eagle_own_embedding: the head carries its own token embedding (a converted checkpoint whose
+        embedding is not the target's) instead of borrowing the target's.
+    converted_from: provenance of a converted checkpoint (layout, source config facts), or None.
     """
 
     model_type = "selfdraft_heads"
@@ -38,6 +48,10 @@ class HeadsConfig(PretrainedConfig):
         medusa_own_lm_head: bool = False,
         eagle_fc_bias: bool = True,
         target_config: dict[str, Any] | None = None,
+        eagle_layout: str = "selfdraft",
+        eagle_layer_config: dict[str, Any] | None = None,
+        eagle_own_embedding: bool = False,
+        converted_from: dict[str, Any] | None = None,
         **kwargs,
     ) -> None:
         if head_kind not in HEAD_KINDS:
@@ -46,6 +60,10 @@ class HeadsConfig(PretrainedConfig):
             raise ValueError("medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
         if draft_vocab_size is not None and target_vocab_size and not 0 < draft_vocab_size <= target_vocab_size:
             raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..target_vocab_size")
+        if eagle_layout not in EAGLE_LAYOUTS:
+            raise ValueError(f"eagle_layout={eagle_layout!r}; expected one of {EAGLE_LAYOUTS}")
+        if eagle_layout != "selfdraft" and head_kind != "eagle":
+            raise ValueError(f"eagle_layout={eagle_layout!r} needs head_kind='eagle', not {head_kind!r}")
         self.head_kind = head_kind
         self.target_model_type = target_model_type
         self.target_hidden_size = target_hidden_size
@@ -58,6 +76,10 @@ class HeadsConfig(PretrainedConfig):
         self.medusa_own_lm_head = medusa_own_lm_head
         self.eagle_fc_bias = eagle_fc_bias
         self.target_config = target_config
+        self.eagle_layout = eagle_layout
+        self.eagle_layer_config = dict(eagle_layer_config) if eagle_layer_config else None
+        self.eagle_own_embedding = eagle_own_embedding
+        self.converted_from = dict(converted_from) if converted_from else None
         super().__init__(**kwargs)
 
     @classmethod

@@ -13,13 +13,16 @@ from torch import nn
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.published import PublishedEagleHead
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 HEAD_CLASSES: dict[str, type[nn.Module]] = {"medusa": MedusaHeads, "eagle": EagleHead}
+# EAGLE heads whose eagle_layout is a published architecture (converted checkpoints).
+PUBLISHED_EAGLE_LAYOUTS = ("eagle1", "eagle3")
 
-Heads = MedusaHeads | EagleHead
+Heads = MedusaHeads | EagleHead | PublishedEagleHead
 
 
 class HeadsMismatchError(ValueError):
@@ -31,6 +34,8 @@ class CorruptCheckpointError(ValueError):
 
 
 def build_heads(config: HeadsConfig) -> Heads:
+    if config.head_kind == "eagle" and config.eagle_layout in PUBLISHED_EAGLE_LAYOUTS:
+        return PublishedEagleHead(config)
     return HEAD_CLASSES[config.head_kind](config)
 
 
@@ -116,11 +121,27 @@ def load_state_strict(module: nn.Module, state: dict[str, torch.Tensor], source:
     )
 
 
+def is_selfdraft_folder(directory: Path) -> bool:
+    """True when `directory/config.json` declares our format (or cannot be read: reported as corrupt)."""
+    try:
+        return json.loads((directory / CONFIG_NAME).read_text()).get("model_type") == HeadsConfig.model_type
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return (directory / CONFIG_NAME).is_file()
+
+
 def load_heads(directory: str | Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32) -> Heads:
-    """Load heads saved by `save_heads`; with `target`, check compatibility and attach to it."""
+    """Load heads saved by `save_heads`; with `target`, check compatibility and attach to it.
+
+    A folder in another project's layout (Medusa-1, EAGLE-1, EAGLE-3, SGLang, vLLM speculators) is
+    converted in memory by `selfdraft.heads.convert.load_any_heads`; our own format is the fast path.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"heads checkpoint folder {directory} does not exist")
+    if not is_selfdraft_folder(directory):
+        from selfdraft.heads.convert import load_any_heads  # convert imports this module
+
+        return load_any_heads(directory, target, dtype=dtype)
     config = read_heads_config(directory)
     if target is not None:
         check_compatible(config, target.config)

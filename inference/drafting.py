@@ -20,6 +20,7 @@ import torch
 
 from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.published import PublishedEagleHead
 from selfdraft.inference import kv
 from selfdraft.inference.tree import TreeSpec, ancestor_matrix
 
@@ -160,6 +161,6 @@ def make_drafter(heads):
         return heads
     if isinstance(heads, MedusaHeads):
         return MedusaDrafter(heads)
-    if isinstance(heads, EagleHead):
+    if isinstance(heads, EagleHead | PublishedEagleHead):
         return EagleDrafter(heads)
     raise TypeError(f"no drafter for {type(heads).__name__}")

@@ -258,6 +258,15 @@ def test_heldout_split_is_deterministic_disjoint_and_written(tok, tmp_path):
     assert again["input_ids"] == train_a["input_ids"]
 
 
+def test_python_source_skips_tests_caches_and_installed_packages(tmp_path):
+    for rel in ("b.py", "a/x.py", "test/t.py", "site-packages/p.py", "__pycache__/c.py", "a/empty.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("" if "empty" in rel else f"# {rel}\n")
+    assert [r["id"] for r in load_python_source(root=tmp_path)] == ["stdlib:a/x.py", "stdlib:b.py"]
+    with_tests = load_python_source(root=tmp_path, include_tests=True)
+    assert [r["id"] for r in with_tests] == ["stdlib:a/x.py", "stdlib:b.py", "stdlib:test/t.py"]
+
+
 def test_python_source_is_deterministic():
     first = load_python_source(limit_files=5)
     assert first == load_python_source(limit_files=5)

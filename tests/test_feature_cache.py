@@ -109,3 +109,15 @@ def test_layer_indices_are_checked(model):
     assert normalize_layers(model, [-1, 0, 2, 2]) == [0, 2]
     with pytest.raises(ValueError):
         normalize_layers(model, [3])
+
+
+def test_dataset_fingerprint_reads_rows_in_dataset_order(dataset):
+    from selfdraft.training.feature_cache import _lengths_and_fingerprint
+
+    as_list = [dict(row) for row in dataset]
+    assert _lengths_and_fingerprint(dataset) == _lengths_and_fingerprint(as_list)
+    shuffled = dataset.shuffle(seed=3)  # an indices mapping over the same Arrow table
+    lengths, fingerprint = _lengths_and_fingerprint(shuffled)
+    assert lengths == [len(row["input_ids"]) for row in shuffled]
+    assert (lengths, fingerprint) == _lengths_and_fingerprint([dict(row) for row in shuffled])
+    assert fingerprint != _lengths_and_fingerprint(dataset)[1]

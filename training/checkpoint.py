@@ -9,6 +9,7 @@ Layout of output_dir:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -26,8 +27,10 @@ def run_meta(fingerprint: str, world_size: int) -> dict:
     return {"fingerprint": fingerprint, "world_size": world_size}
 
 
-def check_or_write_meta(output_dir: Path, meta: dict, resume: bool) -> None:
-    """On resume the stored run must match; a fresh run refuses to overwrite another run's checkpoints."""
+def check_meta(output_dir: Path, meta: dict, resume: bool) -> None:
+    """On resume the stored run must match; a fresh run refuses to overwrite another run's checkpoints.
+
+    Read-only, so every rank runs it and fails the same way before any collective call."""
     path = output_dir / RUN_FILE
     if path.is_file():
         stored = json.loads(path.read_text())
@@ -46,8 +49,24 @@ def check_or_write_meta(output_dir: Path, meta: dict, resume: bool) -> None:
                 f"checkpoint in {output_dir} was trained with a different config (fingerprint "
                 f"{stored['fingerprint']} != {meta['fingerprint']}); restore that config or use a new output_dir"
             )
+
+
+def write_meta(output_dir: Path, meta: dict) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(meta, indent=1))
+    (output_dir / RUN_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def write_rank_report(output_dir: Path, rank: int, world: int, step: int, module) -> None:
+    """Each rank's view at the end of a run: world size, step, and a digest of its head parameters
+    (equal digests on every rank = the data-parallel replicas stayed in sync)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    folder = output_dir / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    report = {"rank": rank, "world_size": world, "step": step, "params_sha256": digest.hexdigest()}
+    (folder / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 def latest_tag(output_dir: Path) -> str | None:

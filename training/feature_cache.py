@@ -17,10 +17,11 @@ import bisect
 import hashlib
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
@@ -95,49 +96,62 @@ def _plan_shards(lengths: list[int], shard_tokens: int) -> list[dict]:
     return shards
 
 
-def _fingerprint(dataset) -> str:
-    digest = hashlib.sha256()
-    rows = dataset["input_ids"] if hasattr(dataset, "column_names") else (r["input_ids"] for r in dataset)
-    for ids in rows:
-        arr = np.asarray(ids, dtype=np.int32)
-        digest.update(np.int64(arr.size).tobytes())
-        digest.update(arr.tobytes())
-    return digest.hexdigest()
+def _token_arrays(dataset) -> Iterator[np.ndarray]:
+    """input_ids of each row as int32 arrays; a `datasets.Dataset` is read through Arrow in batches
+    (a Python list per token would cost GBs on a full training set)."""
+    if hasattr(dataset, "with_format"):
+        for table in dataset.with_format("arrow").iter(batch_size=4096):
+            column = table.column("input_ids").combine_chunks()
+            flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+            yield from np.split(flat, np.cumsum(pc.list_value_length(column).to_numpy())[:-1])
+    else:
+        for row in dataset:
+            yield np.asarray(row["input_ids"], dtype=np.int32)
+
+
+def _lengths_and_fingerprint(dataset) -> tuple[list[int], str]:
+    lengths, digest = [], hashlib.sha256()
+    for ids in _token_arrays(dataset):
+        lengths.append(int(ids.size))
+        digest.update(np.int64(ids.size).tobytes())
+        digest.update(ids.tobytes())
+    return lengths, digest.hexdigest()
 
 
 def _write_shard(model, rows: list[dict], layers: list[int], topk: int | None, dest: Path, batch_size: int):
     """Compute one shard in memory and write it to dest via a temporary folder (atomic rename)."""
-    chunks: dict[str, list[np.ndarray]] = {}
-    for b in range(0, len(rows), batch_size):
-        batch = rows[b : b + batch_size]
-        width = max(len(r["input_ids"]) for r in batch)
+    per_row: list[dict[str, np.ndarray]] = [{} for _ in rows]
+    # batches of similar lengths waste little compute on padding; results go back to dataset order
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
+    for b in range(0, len(order), batch_size):
+        batch = order[b : b + batch_size]
+        width = max(len(rows[i]["input_ids"]) for i in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         attention = torch.zeros_like(ids)
-        for j, row in enumerate(batch):  # right padding: causal attention leaves real positions untouched
-            ids[j, : len(row["input_ids"])] = torch.as_tensor(row["input_ids"])
-            attention[j, : len(row["input_ids"])] = 1
+        for j, i in enumerate(batch):  # right padding: causal attention leaves real positions untouched
+            ids[j, : len(rows[i]["input_ids"])] = torch.as_tensor(rows[i]["input_ids"])
+            attention[j, : len(rows[i]["input_ids"])] = 1
         computed = compute_features(model, ids, layers, attention, store_target_topk=topk)
-        for j, row in enumerate(batch):
-            n = len(row["input_ids"])
+        for j, i in enumerate(batch):
+            n, out = len(rows[i]["input_ids"]), per_row[i]
             for layer, feats in computed["features"].items():
                 half = feats[j, :n].to(torch.float16)
                 if not torch.isfinite(half).all():
                     raise OverflowError(f"layer {layer} features overflow fp16; cache another layer")
-                chunks.setdefault(f"features_{layer}", []).append(half.numpy())
+                out[f"features_{layer}"] = half.numpy()
             if topk:
-                top_ids = computed["target_topk_ids"][j, :n].numpy().astype(np.int32)
-                chunks.setdefault("topk_ids", []).append(top_ids)
+                out["topk_ids"] = computed["target_topk_ids"][j, :n].numpy().astype(np.int32)
                 lp = computed["target_topk_logprobs"][j, :n].clamp(min=-60000.0)  # -inf would not round-trip
-                chunks.setdefault("topk_logprobs", []).append(lp.to(torch.float16).numpy())
-            chunks.setdefault("input_ids", []).append(np.asarray(row["input_ids"], dtype=np.int32))
-            chunks.setdefault("loss_mask", []).append(np.asarray(row["loss_mask"], dtype=np.uint8))
+                out["topk_logprobs"] = lp.to(torch.float16).numpy()
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     lengths = [len(r["input_ids"]) for r in rows]
     np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    for name, parts in chunks.items():
-        np.save(tmp / f"{name}.npy", np.concatenate(parts, axis=0))
+    np.save(tmp / "input_ids.npy", np.concatenate([np.asarray(r["input_ids"], dtype=np.int32) for r in rows]))
+    np.save(tmp / "loss_mask.npy", np.concatenate([np.asarray(r["loss_mask"], dtype=np.uint8) for r in rows]))
+    for name in per_row[0]:
+        np.save(tmp / f"{name}.npy", np.concatenate([out[name] for out in per_row], axis=0))
     tmp.rename(dest)  # a shard folder exists only once every file in it is complete
 
 
@@ -146,27 +160,28 @@ def cache_hidden_states(
     dataset,
     out_dir: str | Path,
     layers: Sequence[int],
-    shard_tokens: int = 1 << 20,
+    shard_tokens: int = 1 << 17,
     store_target_topk: int | None = None,
     batch_size: int = 8,
 ) -> Path:
     """Run the frozen target over `dataset` (rows with input_ids, loss_mask) and cache its features.
 
-    Resumable: the shard plan is fixed in index.json before any work, finished shards are skipped, and a
-    rerun over a different dataset, layer set or top-k refuses to mix caches.
+    A shard is built in memory: shard_tokens x len(layers) x hidden_size fp16 values (the default 131k
+    tokens is ~0.45 GB for SmolLM2 with 3 layers, ~3.2 GB for an 8B target). Resumable: the shard plan
+    is fixed in index.json before any work, finished shards are skipped, and a rerun over a different
+    dataset, layer set or top-k refuses to mix caches.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     layers = normalize_layers(model, layers)
-    lengths = [len(ids) for ids in dataset["input_ids"]] if hasattr(dataset, "column_names") else None
-    lengths = lengths or [len(row["input_ids"]) for row in dataset]
+    lengths, fingerprint = _lengths_and_fingerprint(dataset)
     index = {
         "version": CACHE_VERSION,
         "layers": layers,
         "hidden_size": model.config.hidden_size,
         "store_target_topk": store_target_topk,
         "num_examples": len(lengths),
-        "dataset_fingerprint": _fingerprint(dataset),
+        "dataset_fingerprint": fingerprint,
         "target": getattr(model.config, "_name_or_path", ""),
         "shards": _plan_shards(lengths, shard_tokens),
     }

@@ -53,9 +53,14 @@ def cache_ready(config: RunConfig) -> bool:
     return True
 
 
+# Small shards: progress is visible and a killed preparation loses at most one shard of work.
+SHARD_TOKENS = 1 << 16
+
+
 def prepare_features(config: RunConfig, target, train: datasets.Dataset, batch_size: int = 8) -> Path | None:
     if not config.data.feature_cache:
         return None
     return cache_hidden_states(
-        target, train, config.data.feature_cache, feature_layers(config, target), batch_size=batch_size
+        target, train, config.data.feature_cache, feature_layers(config, target),
+        shard_tokens=SHARD_TOKENS, batch_size=batch_size,
     )

@@ -110,10 +110,18 @@ def load_sharegpt(limit: int | None = None, path: str | Path | None = None) -> l
     return out
 
 
-def load_python_source(limit_files: int | None = None, root: str | Path | None = None) -> list[dict]:
-    """Plain-text records of the standard library's own .py files, sorted by relative path."""
+def load_python_source(
+    limit_files: int | None = None, root: str | Path | None = None, include_tests: bool = False
+) -> list[dict]:
+    """Plain-text records of the standard library's own .py files, sorted by relative path.
+
+    CPython's own test suite (test/, tests/, idle_test/) is left out unless asked for: it is over half
+    the bytes and full of deliberately odd code, not the code a user asks the target to write.
+    """
     base = Path(root or sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
+    if not include_tests:
+        skip |= {"test", "tests", "idle_test"}
     files = sorted(
         p for p in base.rglob("*.py") if p.is_file() and not skip.intersection(p.relative_to(base).parts)
     )

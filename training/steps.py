@@ -97,12 +97,12 @@ def eagle_step(
         kl = forward_kl(logits, labels, v)
         feat = (F.smooth_l1_loss(out, feature_targets, reduction="none").mean(-1) * v).sum() / v.sum().clamp(min=1)
         loss = loss + weights[j] * (ce_weight * kl + feature_weight * feat)
-        metrics[f"kl_{j}"] = float(kl)
+        metrics[f"kl_{j}"] = float(kl.detach())
         with torch.no_grad():
             hits.append((logits.argmax(-1) == labels.argmax(-1), v))
         # next step reads this step's prediction at the previous position
         feats = torch.cat([f_in[:, :1], out[:, :-1]], dim=1)
-    metrics["loss"] = float(loss)
+    metrics["loss"] = float(loss.detach())
     return StepOutput(loss=loss, metrics=metrics, depth_hits=hits)
 
 
@@ -135,10 +135,10 @@ def medusa_step(
         v[:, : T - shift - 1] = loss_mask[:, shift + 1 :].bool()
         kl = forward_kl(logits, target, v)
         loss = loss + decay**k * kl
-        metrics[f"kl_{k}"] = float(kl)
+        metrics[f"kl_{k}"] = float(kl.detach())
         with torch.no_grad():
             hits.append((logits.argmax(-1) == target.argmax(-1), v))
-    metrics["loss"] = float(loss)
+    metrics["loss"] = float(loss.detach())
     return StepOutput(loss=loss, metrics=metrics, depth_hits=hits)
 
 

@@ -1,0 +1,481 @@
+"""Convert draft-head checkpoints published by other projects into selfdraft's format.
+
+The layout of a folder is detected from its tensor names and shapes; a config field the tensors
+contradict is never trusted (the official Medusa config states the wrong head count).
+
+    medusa       Medusa-1 (FasterDecoding/medusa-*): config.json + medusa_lm_head.safetensors or .pt;
+                 `{i}.{j}.linear.weight/bias` (ResBlock j of head i), `{i}.{L}.weight` (its vocab projection)
+    eagle1       EAGLE-1/2 (yuhuili/EAGLE-*): Llama-style config.json + model.safetensors or
+                 pytorch_model.bin; `fc.weight/bias` (2h -> h), `layers.0.*` (no input_layernorm),
+                 optional `embed_tokens.weight`; the target's lm_head is used
+    eagle3       EAGLE-3 (yuhuili/EAGLE3-*) and its SGLang variant (architectures LlamaForCausalLMEagle3):
+                 `midlayer.*`, `fc.weight` (3h -> h), `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
+    speculators  vLLM speculators EAGLE-3 (`speculators_model_type`, `transformer_layer_config`): the
+                 same tensors with `midlayer.*` named `layers.0.*`
+
+Exact vs approximate: Medusa-1 heads run as our MedusaHeads (own vocab projection per head) on the
+target's last, post-norm hidden state, exactly as Medusa feeds them. EAGLE-1 and EAGLE-3 heads run in
+`selfdraft.heads.published.PublishedEagleHead`, which computes the published forward (see that
+module); EAGLE-1 reads the post-norm last hidden state (what the EAGLE reference feeds its head: the
+base model's output, which its lm_head reads) and EAGLE-3 the pre-norm inputs of its fused layers, both
+available exactly in transformers' `output_hidden_states`. An embedded `embed_tokens.weight` equal to
+the target's is dropped (the target's is borrowed); any other is kept as the head's own embedding.
+Losslessness never depends on the head: only the number of accepted draft tokens does.
+
+Pickled weights are opened only with `torch.load(weights_only=True)`; output is always safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.io import (
+    CONFIG_NAME,
+    CorruptCheckpointError,
+    Heads,
+    HeadsMismatchError,
+    build_heads,
+    check_compatible,
+    load_state_strict,
+    read_safetensors,
+    save_heads,
+)
+from selfdraft.heads.published import eagle3_default_layers, rope_kwargs
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
+LAYOUTS = {
+    "medusa": "Medusa-1: medusa_lm_head.{safetensors,pt} with {i}.{j}.linear.weight/bias and {i}.{L}.weight",
+    "eagle1": "EAGLE-1: model.safetensors or pytorch_model.bin with fc.weight [h, 2h] and layers.0.*",
+    "eagle3": "EAGLE-3 / SGLang: midlayer.*, fc.weight [h, 3h], norm.weight, lm_head.weight, d2t, t2d",
+    "speculators": "vLLM speculators EAGLE-3: the EAGLE-3 tensors with midlayer.* named layers.0.*",
+    "selfdraft": "selfdraft: config.json with model_type selfdraft_heads + model.safetensors",
+}
+# Tensors some old checkpoints carry that are recomputed from the config.
+_IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+_MEDUSA_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
+_LAYER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.", "hidden_norm.")
+
+
+class UnknownLayoutError(CorruptCheckpointError):
+    """A folder whose files and tensor names match no known heads layout."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    weights_file: str
+
+
+def load_pickled_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A pickled state dict, opened with weights_only=True: no code from the file ever runs."""
+    try:
+        obj = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        pattern = r"WeightsUnpickler error: (.*?)(?: was not an allowed|\. Please|$)"
+        reason = re.search(pattern, str(err), re.M)
+        raise CorruptCheckpointError(
+            f"{path} is not a pickle of plain tensors ({reason.group(1) if reason else 'unreadable'}), or is "
+            "corrupt. selfdraft opens pickles only with torch.load(weights_only=True), which never runs code "
+            "from the file. Re-save the weights as tensors where you trust the file, e.g. "
+            "`safetensors.torch.save_file(model.state_dict(), 'model.safetensors')`, and convert that folder"
+        ) from err
+    except (RuntimeError, EOFError, OSError) as err:
+        raise CorruptCheckpointError(f"{path} cannot be read ({err}); re-download it") from err
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise CorruptCheckpointError(f"{path} holds a {type(obj).__name__}, not a mapping name -> tensor")
+    return dict(obj)
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"heads checkpoint folder {path} does not exist")
+    config: dict = {}
+    if (path / CONFIG_NAME).is_file():
+        try:
+            config = json.loads((path / CONFIG_NAME).read_text())
+        except json.JSONDecodeError as err:
+            raise CorruptCheckpointError(f"{path / CONFIG_NAME} is not valid JSON ({err})") from err
+    for name in WEIGHT_FILES:
+        file = path / name
+        if file.is_file():
+            tensors = read_safetensors(file) if name.endswith(".safetensors") else load_pickled_tensors(file)
+            tensors = {k: v for k, v in tensors.items() if not _IGNORED.search(k)}
+            return Checkpoint(path, config, tensors, name)
+    raise _unknown(path, {}, f"no weights file ({', '.join(WEIGHT_FILES)})")
+
+
+def _unknown(path: Path, tensors: dict, why: str) -> UnknownLayoutError:
+    files = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    names = sorted(tensors)
+    shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    expected = "\n  ".join(LAYOUTS.values())
+    return UnknownLayoutError(
+        f"{path}: not a heads layout selfdraft can read ({why}). Files: {files}; tensors: [{shown}]. "
+        f"Layouts `selfdraft convert` reads:\n  {expected}"
+    )
+
+
+def detect_layout(ckpt: Checkpoint) -> str:
+    """'medusa', 'eagle1', 'eagle3' or 'speculators', from the tensor names and shapes only."""
+    names = set(ckpt.tensors)
+    if names and all(_MEDUSA_KEY.match(n) for n in names):
+        return "medusa"
+    if any(n.startswith("midlayer.") for n in names):
+        return "eagle3"
+    if "layers.0.hidden_norm.weight" in names:
+        return "speculators"
+    fc = ckpt.tensors.get("fc.weight")
+    if "layers.0.self_attn.q_proj.weight" in names and fc is not None and fc.shape[1] == 2 * fc.shape[0]:
+        return "eagle1"
+    raise _unknown(ckpt.path, ckpt.tensors, "tensor names match none of the layouts")
+
+
+def _text_config(target: nn.Module):
+    config = target.config
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def _target_architectures(target: nn.Module) -> list[str]:
+    return list(getattr(target.config, "architectures", None) or [type(target).__name__])
+
+
+def _check_target(ckpt: Checkpoint, layout: str, found: dict, target: nn.Module | None) -> None:
+    """found: what -> (value, where it was read). Raise HeadsMismatchError naming both values."""
+    if target is None:
+        return
+    text = _text_config(target)
+    actual = {
+        "hidden size": text.hidden_size,
+        "vocab size": text.vocab_size,
+        "architecture": _target_architectures(target),
+    }
+    for what, (value, source) in found.items():
+        if value is None:
+            continue
+        if what == "architecture":
+            if not set(value) & set(actual[what]):
+                raise HeadsMismatchError(
+                    f"{ckpt.path} ({layout}) was made for a {value} target ({source}), but this target is "
+                    f"{actual[what]}; use heads made for this target"
+                )
+        elif value != actual[what]:
+            raise HeadsMismatchError(
+                f"{ckpt.path} ({layout}) was made for a target with {what} {value} ({source}), but this "
+                f"target has {actual[what]}; use heads made for this target"
+            )
+
+
+def _base_fields(ckpt: Checkpoint, layout: str, target: nn.Module | None, **provenance) -> dict:
+    text = _text_config(target) if target is not None else None
+    target_config = None
+    if text is not None and layout != "medusa":
+        target_config = text.to_dict()
+        target_config["architectures"] = _target_architectures(target)
+    return {
+        "target_model_type": text.model_type if text is not None else None,
+        "target_num_layers": text.num_hidden_layers if text is not None else None,
+        "target_config": target_config,
+        "converted_from": {
+            "layout": layout,
+            "source": str(ckpt.path),
+            "weights_file": ckpt.weights_file,
+            **{k: v for k, v in provenance.items() if v is not None},
+        },
+    }
+
+
+def _medusa(ckpt: Checkpoint, target: nn.Module | None) -> tuple[HeadsConfig, dict]:
+    parsed: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in ckpt.tensors.items():
+        i, j, linear, kind = _MEDUSA_KEY.match(name).groups()
+        parsed.setdefault(int(i), {}).setdefault(int(j), {})[("linear." if linear else "") + kind] = tensor
+    num_heads = len(parsed)
+    if sorted(parsed) != list(range(num_heads)):
+        raise CorruptCheckpointError(f"{ckpt.path}: Medusa head indices {sorted(parsed)} are not 0..K-1")
+    depths = {max(blocks) for blocks in parsed.values()}
+    if len(depths) != 1:
+        raise CorruptCheckpointError(f"{ckpt.path}: Medusa heads differ in ResBlock count {sorted(depths)}")
+    num_layers = depths.pop()
+    state = {}
+    for i, blocks in parsed.items():
+        for j in range(num_layers):
+            for kind in ("weight", "bias"):
+                state[f"blocks.{i}.{j}.linear.{kind}"] = blocks.get(j, {}).get(f"linear.{kind}")
+        state[f"lm_heads.{i}.weight"] = blocks[num_layers].get("weight")
+    missing = sorted(k for k, v in state.items() if v is None)
+    if missing:
+        raise CorruptCheckpointError(f"{ckpt.path}: Medusa checkpoint lacks {missing[:5]}")
+    vocab, hidden = state["lm_heads.0.weight"].shape
+    stated = ckpt.config.get("medusa_num_heads")
+    if stated is not None and stated != num_heads:
+        logger.warning(
+            "%s: config.json says medusa_num_heads=%s, the tensors hold %d heads; using %d",
+            ckpt.path,
+            stated,
+            num_heads,
+            num_heads,
+        )
+    _check_target(
+        ckpt,
+        "medusa",
+        {"hidden size": (hidden, "lm head tensors"), "vocab size": (vocab, "lm head tensors")},
+        target,
+    )
+    config = HeadsConfig(
+        head_kind="medusa",
+        target_hidden_size=hidden,
+        target_vocab_size=vocab,
+        feature_layers=[-1],
+        medusa_num_heads=num_heads,
+        medusa_num_layers=num_layers,
+        medusa_own_lm_head=True,
+        **_base_fields(ckpt, "medusa", target, base_model=ckpt.config.get("base_model_name_or_path")),
+    )
+    return config, state
+
+
+def _layer_config(src: dict, tensors: dict[str, torch.Tensor], prefix: str, hidden: int) -> dict:
+    """The published layer's dimensions: widths from the tensors, the rest (eps, RoPE) from `src`."""
+    q, k = tensors[prefix + "self_attn.q_proj.weight"], tensors[prefix + "self_attn.k_proj.weight"]
+    num_heads = src.get("num_attention_heads")
+    if not num_heads or q.shape[0] % num_heads:
+        raise CorruptCheckpointError(
+            f"config num_attention_heads={num_heads} does not divide q_proj's {q.shape[0]} output rows"
+        )
+    head_dim = q.shape[0] // num_heads
+    if k.shape[0] % head_dim:
+        raise CorruptCheckpointError(f"k_proj rows {k.shape[0]} are not a multiple of head_dim {head_dim}")
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": tensors[prefix + "mlp.gate_proj.weight"].shape[0],
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": k.shape[0] // head_dim,
+        "head_dim": head_dim,
+        "rms_norm_eps": src.get("rms_norm_eps", 1e-6),
+        "hidden_act": src.get("hidden_act", "silu"),
+        "max_position_embeddings": src.get("max_position_embeddings", 2048),
+        "rope": rope_kwargs(src),
+        "qkv_bias": prefix + "self_attn.q_proj.bias" in tensors,
+        "o_bias": prefix + "self_attn.o_proj.bias" in tensors,
+        "mlp_bias": prefix + "mlp.gate_proj.bias" in tensors,
+        "input_layernorm": prefix + "input_layernorm.weight" in tensors,
+        "norm_before_residual": bool(src.get("norm_before_residual", False)),
+    }
+
+
+def _rename_layer(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Published names -> PublishedEagleHead names (layer prefix, d2t/t2d under draft_vocab)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            name = "layer." + name[len(prefix) :]
+        elif name in ("d2t", "t2d"):
+            name = "draft_vocab." + name
+        out[name] = tensor
+    return out
+
+
+def _embedding(state: dict, target: nn.Module | None) -> bool:
+    """Drop an embedded copy of the target's embedding; True when the head keeps its own."""
+    embed = state.get("embed_tokens.weight")
+    if embed is None:
+        return False
+    if target is not None:
+        mine = target.get_input_embeddings().weight.detach().cpu()
+        if mine.shape == embed.shape and torch.equal(mine.to(embed.dtype), embed):
+            del state["embed_tokens.weight"]
+            return False
+    return True
+
+
+def _eagle1(ckpt: Checkpoint, target: nn.Module | None) -> tuple[HeadsConfig, dict]:
+    extra = [n for n in ckpt.tensors if n.startswith("layers.") and not n.startswith("layers.0.")]
+    if extra:
+        raise CorruptCheckpointError(f"{ckpt.path}: EAGLE-1 heads have one layer; found {extra[:3]}")
+    hidden = ckpt.tensors["fc.weight"].shape[0]
+    state = _rename_layer(ckpt.tensors, "layers.0.")
+    embed = state.get("embed_tokens.weight")
+    vocab = embed.shape[0] if embed is not None else ckpt.config.get("vocab_size")
+    _check_target(
+        ckpt,
+        "eagle1",
+        {
+            "hidden size": (hidden, "tensor fc.weight"),
+            "vocab size": (vocab, "embed_tokens.weight" if embed is not None else "config.json vocab_size"),
+        },
+        target,
+    )
+    config = HeadsConfig(
+        head_kind="eagle",
+        eagle_layout="eagle1",
+        target_hidden_size=hidden,
+        target_vocab_size=vocab,
+        feature_layers=[-1],
+        eagle_fc_bias="fc.bias" in state,
+        eagle_layer_config=_layer_config(ckpt.config, ckpt.tensors, "layers.0.", hidden),
+        eagle_own_embedding=_embedding(state, target),
+        **_base_fields(ckpt, "eagle1", target),
+    )
+    return config, state
+
+
+def _aux_layers(ckpt: Checkpoint, layout: str, target: nn.Module | None) -> tuple[list[int] | None, str]:
+    """The fused target layers as `output_hidden_states` indices, and where they were read."""
+    cfg = ckpt.config
+    eagle_config = cfg.get("eagle_config") or {}
+    if eagle_config.get("eagle_aux_hidden_state_layer_ids"):
+        # SGLang's ids name the layer whose OUTPUT is captured: the input of layer id + 1.
+        return [i + 1 for i in eagle_config["eagle_aux_hidden_state_layer_ids"]], "eagle_config (SGLang, +1)"
+    if cfg.get("eagle_aux_hidden_state_layer_ids"):
+        # vLLM / speculators ids name the layer whose INPUT is captured: already our indices.
+        return list(cfg["eagle_aux_hidden_state_layer_ids"]), "eagle_aux_hidden_state_layer_ids (vLLM)"
+    if target is not None:
+        return eagle3_default_layers(_text_config(target).num_hidden_layers), "EAGLE-3 default {2, L//2, L-3}"
+    return None, ""
+
+
+def _eagle3(ckpt: Checkpoint, target: nn.Module | None, layout: str) -> tuple[HeadsConfig, dict]:
+    prefix = "midlayer." if layout == "eagle3" else "layers.0."
+    extra = [n for n in ckpt.tensors if n.startswith(("layers.", "midlayer")) and not n.startswith(prefix)]
+    if extra:
+        raise CorruptCheckpointError(f"{ckpt.path}: only one-layer EAGLE-3 heads run here; found {extra[:3]}")
+    cfg = ckpt.config
+    src = cfg.get("transformer_layer_config", cfg) if layout == "speculators" else cfg
+    src = {**src, "norm_before_residual": cfg.get("norm_before_residual", False)}
+    fc = ckpt.tensors["fc.weight"]
+    hidden, fused = fc.shape
+    if ckpt.tensors[prefix + "self_attn.q_proj.weight"].shape[1] != 2 * hidden:
+        raise CorruptCheckpointError(f"{ckpt.path}: EAGLE-3 q_proj must read 2 x {hidden} inputs")
+    layers, layers_from = _aux_layers(ckpt, layout, target)
+    n = len(layers) if layers else 3
+    if fused % n:
+        raise CorruptCheckpointError(f"{ckpt.path}: fc.weight reads {fused} inputs, not {n} layers' worth")
+    target_hidden = fused // n
+    if cfg.get("target_hidden_size") not in (None, target_hidden):
+        logger.warning(
+            "%s: config target_hidden_size=%s, fc.weight implies %d; using the tensors",
+            ckpt.path,
+            cfg["target_hidden_size"],
+            target_hidden,
+        )
+    state = _rename_layer(ckpt.tensors, prefix)
+    lm_head, t2d = state.get("lm_head.weight"), state.get("draft_vocab.t2d")
+    vocab = t2d.shape[0] if t2d is not None else src.get("vocab_size")
+    if vocab is None:
+        raise CorruptCheckpointError(f"{ckpt.path}: neither t2d nor config.json vocab_size gives the vocab")
+    if lm_head is not None and "draft_vocab.d2t" not in state:  # a full-vocabulary head: identity maps
+        state["draft_vocab.d2t"] = torch.zeros(lm_head.shape[0], dtype=torch.long)
+        state["draft_vocab.t2d"] = torch.arange(vocab) < lm_head.shape[0]
+    if "draft_vocab.t2d" in state:
+        state["draft_vocab.t2d"] = state["draft_vocab.t2d"].bool()
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    _check_target(
+        ckpt,
+        layout,
+        {
+            "hidden size": (target_hidden, "tensor fc.weight"),
+            "vocab size": (vocab, "t2d / config vocab_size"),
+            "architecture": (verifier.get("architectures"), "speculators_config.verifier.architectures"),
+        },
+        target,
+    )
+    if layers is None:
+        raise ValueError(
+            f"{ckpt.path} does not say which target layers its head fuses (no "
+            "eagle_aux_hidden_state_layer_ids); convert it with its target (`selfdraft convert SRC DST "
+            "--target NAME`) to use EAGLE-3's default layers {2, L//2, L-3}"
+        )
+    own_embedding = _embedding(state, target)
+    if hidden != target_hidden and not own_embedding:
+        raise CorruptCheckpointError(
+            f"{ckpt.path}: the head is {hidden} wide but the target {target_hidden}; it needs its own "
+            "embed_tokens.weight, which the checkpoint lacks"
+        )
+    proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    config = HeadsConfig(
+        head_kind="eagle",
+        eagle_layout="eagle3",
+        target_hidden_size=target_hidden,
+        target_vocab_size=vocab,
+        feature_layers=layers,
+        draft_vocab_size=lm_head.shape[0] if lm_head is not None else None,
+        eagle_fc_bias="fc.bias" in state,
+        eagle_own_embedding=own_embedding,
+        eagle_layer_config=_layer_config(src, ckpt.tensors, prefix, hidden),
+        **_base_fields(
+            ckpt,
+            layout,
+            target,
+            variant=_variant(cfg, layout),
+            feature_layers_from=layers_from,
+            verifier=verifier or None,
+            speculative_tokens=proposals[0].get("speculative_tokens"),
+        ),
+    )
+    return config, state
+
+
+def _variant(cfg: dict, layout: str) -> str:
+    if layout == "speculators":
+        return "vllm-speculators"
+    return "sglang" if "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []) else "eagle3"
+
+
+def convert_checkpoint(ckpt: Checkpoint, target: nn.Module | None = None) -> tuple[HeadsConfig, dict]:
+    """(HeadsConfig, state dict in our names) for a checkpoint in any known layout."""
+    layout = detect_layout(ckpt)
+    if ckpt.config.get("speculators_model_type") and layout != "speculators":
+        logger.warning(
+            "%s: config.json says speculators, tensors say %s; using the tensors", ckpt.path, layout
+        )
+    if layout == "medusa":
+        return _medusa(ckpt, target)
+    if layout == "eagle1":
+        return _eagle1(ckpt, target)
+    return _eagle3(ckpt, target, layout)
+
+
+def _build(ckpt: Checkpoint, target: nn.Module | None, dtype: torch.dtype) -> Heads:
+    config, state = convert_checkpoint(ckpt, target)
+    if target is not None:
+        check_compatible(config, target.config)
+    heads = build_heads(config).to(dtype)
+    load_state_strict(heads, state, ckpt.path / ckpt.weights_file)
+    return heads
+
+
+def load_any_heads(
+    path: str | Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32
+) -> Heads:
+    """Heads from a folder in any known layout (converted in memory); attached to `target` if given."""
+    heads = _build(read_checkpoint(path), target, dtype)
+    if target is not None:
+        heads.attach(target)
+    return heads.eval()
+
+
+def convert_heads(src: str | Path, dst: str | Path, target: nn.Module | None = None) -> Path:
+    """Write `src` (any known layout) to `dst` in our format (config.json + model.safetensors).
+
+    Floats keep the source's precision when it has one float dtype (else float32): no rounding.
+    """
+    ckpt = read_checkpoint(src)
+    dtypes = {t.dtype for t in ckpt.tensors.values() if t.is_floating_point()}
+    heads = _build(ckpt, target, torch.float32)
+    return save_heads(heads, dst, dtype=dtypes.pop() if len(dtypes) == 1 else None)

@@ -1,0 +1,240 @@
+"""Export selfdraft heads of the EAGLE-3 architecture in the layouts vLLM and SGLang load.
+
+Only heads with eagle_layout "eagle3" (converted from an EAGLE-3 checkpoint, or built as one) can be
+served by those engines' EAGLE-3 drafters. Medusa heads, our own "selfdraft" EAGLE head (a layer of the
+target's own class with its input and final norms) and EAGLE-1 heads are refused.
+
+The layouts written follow the ones described in the design notes (ANCHORS.md, "Published checkpoint
+layouts users will bring"), cross-checked against the engines' public loading code; no specific engine
+release was run against these files here.
+
+vLLM (speculators format), `config.json`:
+    architectures ["Eagle3Speculator"], speculators_model_type "eagle3",
+    speculators_config {algorithm "eagle3", proposal_methods [{proposal_type "greedy",
+        speculative_tokens, verifier_accept_k 1, accept_tolerance 0.0}], default_proposal_method
+        "greedy", verifier {name_or_path, architectures}},
+    transformer_layer_config (a one-layer LlamaConfig dict), draft_vocab_size, target_hidden_size,
+    norm_before_residual, eagle_aux_hidden_state_layer_ids (index i = the INPUT of target layer i,
+    which is transformers' output_hidden_states[i])
+  tensors: layers.0.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight when the
+  head has its own embedding)
+SGLang, `config.json`: a one-layer LlamaConfig with architectures ["LlamaForCausalLMEagle3"],
+    draft_vocab_size, target_hidden_size, tie_word_embeddings false, optional `bias` (fc bias),
+    eagle_config {eagle_aux_hidden_state_layer_ids (id i = the OUTPUT of target layer i, i.e. our index
+    minus one), use_aux_hidden_state true}
+  tensors: midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight)
+Tensors are written unchanged (same dtype, same values): export followed by `selfdraft convert`
+reproduces every tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.io import CONFIG_NAME, WEIGHTS_NAME, read_heads_config, read_safetensors
+from selfdraft.heads.published import layer_config_from_target
+
+ENGINES = ("vllm", "sglang")
+LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
+DEFAULT_SPECULATIVE_TOKENS = 5
+
+
+class ExportError(ValueError):
+    """Heads the requested engine cannot serve, or facts the engine's config needs that are unknown."""
+
+
+def _refuse_unservable(config: HeadsConfig, engine: str) -> dict[str, Any]:
+    """The head's layer config, or ExportError saying why `engine` cannot serve these heads."""
+    if config.head_kind == "medusa":
+        raise ExportError(
+            f"{engine} serves EAGLE-3 draft heads from this exporter; these are Medusa heads, which its "
+            "EAGLE-3 drafter cannot run. Use selfdraft to serve them, or train EAGLE-3-layout heads"
+        )
+    if config.eagle_layout != "eagle3":
+        what = (
+            "our own EAGLE head (a layer of the target's class)"
+            if config.eagle_layout == "selfdraft"
+            else ("an EAGLE-1 head")
+        )
+        raise ExportError(
+            f"these heads are {what} (eagle_layout {config.eagle_layout!r}), not the EAGLE-3 architecture "
+            f"{engine}'s EAGLE-3 drafter runs (fc over 3 fused layers, hidden_norm, 2h-wide q/k/v, own "
+            "norm and lm_head); only eagle_layout 'eagle3' heads can be exported"
+        )
+    layer = config.eagle_layer_config or layer_config_from_target(config.target_config)
+    problems = []
+    if config.num_feature_layers != 3:
+        problems.append(f"it fuses {config.num_feature_layers} target layers; the engines fuse exactly 3")
+    if not config.draft_vocab_size:
+        problems.append("it has no lm_head of its own; the engines load the draft's lm_head")
+    if any(layer.get(k) for k in ("qkv_bias", "o_bias", "mlp_bias")):
+        problems.append("its attention or MLP has biases; the engines' EAGLE-3 layer has none")
+    if engine == "vllm" and config.eagle_fc_bias:
+        problems.append("its fc has a bias; vLLM's EAGLE-3 fc has none")
+    if engine == "sglang" and layer.get("norm_before_residual"):
+        problems.append("it uses norm_before_residual, which SGLang's EAGLE-3 layer does not implement")
+    if problems:
+        raise ExportError(f"{engine} cannot serve these EAGLE-3 heads: " + "; ".join(problems))
+    return layer
+
+
+def _input_layer_ids(config: HeadsConfig, engine: str) -> list[int]:
+    """Fused layers as indices of the target's hidden_states tuple (input of layer i), all in 1..L-1."""
+    n = config.target_num_layers
+    if any(i < 0 for i in config.feature_layers) and n is None:
+        raise ExportError(
+            f"feature_layers {config.feature_layers} are relative and the target's depth is unknown"
+        )
+    ids = [i + n + 1 if i < 0 else i for i in config.feature_layers]
+    bad = [i for i in ids if i < 1 or (n is not None and i > n - 1)]
+    if bad:
+        raise ExportError(
+            f"{engine} captures the input of a target layer 1..L-1; feature layers {bad} (of {ids}) are the "
+            "embeddings or the final-norm output, which the engines do not capture"
+        )
+    return ids
+
+
+def _legacy_rope(rope: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) as engines' Llama configs spell them."""
+    if "rope_parameters" in rope:
+        params = dict(rope["rope_parameters"])
+        theta = params.pop("rope_theta", 10000.0)
+        return theta, params if params.get("rope_type", "default") != "default" else None
+    return rope.get("rope_theta", 10000.0), rope.get("rope_scaling")
+
+
+def _llama_config(config: HeadsConfig, layer: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    theta, scaling = _legacy_rope(layer.get("rope", {}))
+    return {
+        "model_type": "llama",
+        "hidden_size": layer["hidden_size"],
+        "intermediate_size": layer["intermediate_size"],
+        "num_attention_heads": layer["num_attention_heads"],
+        "num_key_value_heads": layer["num_key_value_heads"],
+        "head_dim": layer["head_dim"],
+        "num_hidden_layers": 1,
+        "rms_norm_eps": layer["rms_norm_eps"],
+        "hidden_act": layer.get("hidden_act", "silu"),
+        "max_position_embeddings": layer["max_position_embeddings"],
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "vocab_size": config.target_vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _verifier(config: HeadsConfig, name_or_path: str | None) -> dict[str, Any]:
+    known = (config.converted_from or {}).get("verifier") or {}
+    target = config.target_config or {}
+    name = name_or_path or target.get("_name_or_path") or known.get("name_or_path")
+    if not name:
+        raise ExportError(
+            "vLLM's speculators config names its verifier: pass verifier_name_or_path (--verifier)"
+        )
+    architectures = target.get("architectures") or known.get("architectures")
+    local = Path(name) / CONFIG_NAME
+    if not architectures and local.is_file():
+        architectures = json.loads(local.read_text()).get("architectures")
+    if not architectures:
+        raise ExportError(
+            f"the verifier's architectures are unknown: pass a verifier folder with config.json, not {name!r}"
+        )
+    return {"name_or_path": name, "architectures": list(architectures)}
+
+
+def engine_config(
+    config: HeadsConfig,
+    engine: str,
+    dtype: torch.dtype,
+    verifier_name_or_path: str | None = None,
+    speculative_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The `config.json` `engine` loads for these (EAGLE-3-layout) heads."""
+    if engine not in ENGINES:
+        raise ExportError(f"engine {engine!r}; expected one of {ENGINES}")
+    layer = _refuse_unservable(config, engine)
+    ids = _input_layer_ids(config, engine)
+    llama = _llama_config(config, layer, dtype)
+    if engine == "sglang":
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            **llama,
+            "draft_vocab_size": config.draft_vocab_size,
+            "target_hidden_size": config.target_hidden_size,
+            "bias": bool(config.eagle_fc_bias),
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
+                "use_aux_hidden_state": True,
+            },
+        }
+    tokens = (
+        speculative_tokens
+        or (config.converted_from or {}).get("speculative_tokens")
+        or DEFAULT_SPECULATIVE_TOKENS
+    )
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": _verifier(config, verifier_name_or_path),
+        },
+        "transformer_layer_config": llama,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "norm_before_residual": bool(layer.get("norm_before_residual")),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "torch_dtype": llama["torch_dtype"],
+    }
+
+
+def engine_tensors(state: dict[str, torch.Tensor], engine: str) -> dict[str, torch.Tensor]:
+    """Our PublishedEagleHead tensor names -> the names `engine` loads (values untouched)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("layer."):
+            name = LAYER_PREFIX[engine] + name[len("layer.") :]
+        elif name.startswith("draft_vocab."):
+            name = name[len("draft_vocab.") :]
+        out[name] = tensor.contiguous()
+    return out
+
+
+def export_heads(
+    src_dir: str | Path,
+    dst_dir: str | Path,
+    engine: str = "vllm",
+    verifier_name_or_path: str | None = None,
+    speculative_tokens: int | None = None,
+) -> Path:
+    """Write the selfdraft heads folder `src_dir` as a draft model folder `engine` loads."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    config = read_heads_config(src_dir)
+    state = read_safetensors(src_dir / WEIGHTS_NAME)
+    dtypes = [t.dtype for t in state.values() if t.is_floating_point()]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
+    out_config = engine_config(config, engine, dtype, verifier_name_or_path, speculative_tokens)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    tmp = dst_dir / (WEIGHTS_NAME + ".tmp")
+    save_file(engine_tensors(state, engine), str(tmp), metadata={"format": "pt"})
+    tmp.replace(dst_dir / WEIGHTS_NAME)
+    (dst_dir / CONFIG_NAME).write_text(json.dumps(out_config, indent=2) + "\n")
+    return dst_dir

@@ -1,0 +1,34 @@
+"""`selfdraft convert`: a Medusa-1 / EAGLE-1 / EAGLE-3 / SGLang / vLLM heads folder -> selfdraft's format."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="folder of published heads (config.json + weights)")
+    parser.add_argument("dst", help="output folder (config.json + model.safetensors)")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target the heads are for (embedded name, folder or hub id): checks they fit it and "
+        "supplies EAGLE-3's default fused layers when the checkpoint does not name them",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.heads.convert import convert_heads
+    from selfdraft.heads.io import CorruptCheckpointError, read_heads_config
+    from selfdraft.inference.target import load_target
+
+    target = load_target(args.target)[0] if args.target else None
+    try:
+        out = convert_heads(args.src, args.dst, target)
+    except (CorruptCheckpointError, ValueError, FileNotFoundError) as err:
+        print(f"selfdraft convert: {err}", file=sys.stderr)
+        return 2
+    config = read_heads_config(out)
+    layout = (config.converted_from or {}).get("layout")
+    print(f"converted {args.src} ({layout}) -> {out} [{config.head_kind}, layout {config.eagle_layout}]")
+    return 0

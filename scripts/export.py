@@ -1,0 +1,29 @@
+"""`selfdraft export`: selfdraft EAGLE-3-layout heads -> the draft-model folder vLLM or SGLang loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--to", dest="engine", required=True, choices=["vllm", "sglang"], help="serving engine"
+    )
+    parser.add_argument("src", help="selfdraft heads folder (config.json + model.safetensors)")
+    parser.add_argument("dst", help="output folder")
+    parser.add_argument("--verifier", default=None, help="target name or path written into vLLM's config")
+    parser.add_argument("--speculative-tokens", type=int, default=None, help="vLLM's default draft length")
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.heads.export import export_heads
+    from selfdraft.heads.io import CorruptCheckpointError
+
+    try:
+        out = export_heads(args.src, args.dst, args.engine, args.verifier, args.speculative_tokens)
+    except (CorruptCheckpointError, ValueError, FileNotFoundError) as err:
+        print(f"selfdraft export: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.src} -> {out} for {args.engine}")
+    return 0

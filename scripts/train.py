@@ -1,0 +1,48 @@
+"""`selfdraft train`: prepare data once, then launch the training worker under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per node (GPUs, or CPU ranks)")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 for multi-node runs")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--max-steps", type=int, default=None)
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"]
+    if args.nnodes > 1:
+        if not args.rdzv_endpoint:
+            raise SystemExit("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+        cmd += [f"--nnodes={args.nnodes}", f"--node_rank={args.node_rank}", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={args.rdzv_endpoint}"]
+    else:
+        cmd.append("--standalone")
+    cmd += ["-m", "selfdraft.training.train", "--config", args.config]
+    if args.resume:
+        cmd.append("--resume")
+    if args.output_dir:
+        cmd += ["--output-dir", args.output_dir]
+    if args.max_steps is not None:
+        cmd += ["--max-steps", str(args.max_steps)]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.scripts.prepare import prepare_from_config
+
+    if args.node_rank == 0:
+        prepare_from_config(args.config, args.output_dir)
+    cmd = torchrun_command(args)
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env=os.environ.copy())

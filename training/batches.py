@@ -1,0 +1,57 @@
+"""Deterministic sample order and padding: a resumed run sees exactly the batches it would have seen."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SampleStream:
+    """An endless stream of example indices: epoch e is a permutation seeded by (seed, e).
+
+    Micro-batch m of rank r takes stream positions ((m * world + r) * B + i) for i < B, so the
+    batches depend only on (seed, world, m): resuming at step s recomputes them exactly.
+    """
+
+    def __init__(self, num_examples: int, seed: int, world: int, rank: int, micro_batch_size: int) -> None:
+        if num_examples < 1:
+            raise ValueError("no training examples")
+        self.n, self.seed, self.world, self.rank, self.batch = num_examples, seed, world, rank, micro_batch_size
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=gen)}
+        return self._perms[epoch]
+
+    def micro_batch(self, m: int) -> list[int]:
+        start = (m * self.world + self.rank) * self.batch
+        return [int(self._perm(s // self.n)[s % self.n]) for s in range(start, start + self.batch)]
+
+    def steps_per_epoch(self, accumulation: int) -> int:
+        return max(1, self.n // (self.batch * self.world * accumulation))
+
+
+def collate(rows: list[dict]) -> dict:
+    """Right-pad examples to the longest: input_ids, loss_mask, attention_mask [B, T]; features per layer
+    [B, T, h] when the rows carry cached features."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    B = len(rows)
+    input_ids = torch.zeros(B, longest, dtype=torch.long)
+    loss_mask = torch.zeros(B, longest, dtype=torch.long)
+    attention = torch.zeros(B, longest, dtype=torch.long)
+    for b, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[b, :n] = torch.as_tensor(row["input_ids"])
+        loss_mask[b, :n] = torch.as_tensor(row["loss_mask"])
+        attention[b, :n] = 1
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention}
+    if "features" in rows[0]:
+        batch["features"] = {}
+        for layer in rows[0]["features"]:
+            h = rows[0]["features"][layer].shape[-1]
+            out = torch.zeros(B, longest, h)
+            for b, row in enumerate(rows):
+                out[b, : len(row["input_ids"])] = row["features"][layer]
+            batch["features"][layer] = out
+    return batch

@@ -1,0 +1,277 @@
+"""The training worker: frozen target + trainable heads under a DeepSpeed engine.
+
+One module for every launch shape:
+    python -m selfdraft.training.train --config configs/train/run.yaml          (one process)
+    torchrun --nproc_per_node N -m selfdraft.training.train --config ...       (N processes / nodes)
+    deepspeed --num_gpus N <path to this file> --config ...                     (DeepSpeed launcher)
+The target never enters the optimizer and runs without grad; DeepSpeed holds only the heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from selfdraft.heads import HeadsConfig, build_heads, load_heads
+from selfdraft.inference.target import load_target
+from selfdraft.training import checkpoint as ckpt
+from selfdraft.training.batches import SampleStream, collate
+from selfdraft.training.config import RunConfig, load_run_config
+from selfdraft.training.distributed import init_distributed
+from selfdraft.training.feature_cache import HiddenStateCache, compute_features
+from selfdraft.training.objectives import build_draft_vocab, count_tokens
+from selfdraft.training.prepare import cache_ready, feature_layers, prepare_features, prepare_splits
+from selfdraft.training.steps import StepOutput, eagle_step, medusa_step, simulated_chain_tau
+
+EVAL_DEPTHS = 4
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train draft heads on a frozen target with DeepSpeed.")
+    parser.add_argument("--config", required=True, help="run config YAML (configs/train/*.yaml)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--output-dir", default=None, help="override output_dir")
+    parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
+    h = config.heads
+    if h.init_from:
+        return load_heads(h.init_from, target)
+    heads_config = HeadsConfig.for_target(
+        target.config,
+        head_kind=h.kind,
+        draft_vocab_size=h.draft_vocab_size,
+        feature_layers=h.feature_layers,
+        medusa_num_heads=h.medusa_num_heads,
+        medusa_num_layers=h.medusa_num_layers,
+        medusa_own_lm_head=h.medusa_own_lm_head,
+    )
+    torch.manual_seed(config.train.seed)  # identical initial heads on every rank
+    heads = build_heads(heads_config).attach(target)
+    if heads.draft_vocab is not None:
+        counts = count_tokens(train, heads_config.target_vocab_size)
+        heads.draft_vocab.set_maps(*build_draft_vocab(counts, h.draft_vocab_size))
+    heads.init_projection_from_target()
+    return heads
+
+
+def deepspeed_config(config: RunConfig, world: int) -> dict:
+    ds = json.loads(Path(config.deepspeed).read_text())
+    t = config.train
+    ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    ds["gradient_accumulation_steps"] = t.gradient_accumulation_steps
+    ds["train_batch_size"] = t.micro_batch_size * t.gradient_accumulation_steps * world
+    ds["gradient_clipping"] = t.grad_clip
+    ds.setdefault("steps_per_print", 10**9)
+    if torch.cuda.is_available():
+        ds.setdefault("bf16", {"enabled": True})
+    else:  # bf16 is slower than fp32 on AVX2 CPUs and DeepSpeed's CPU path expects fp32 here
+        ds["bf16"] = {"enabled": False}
+        ds["fp16"] = {"enabled": False}
+    return ds
+
+
+def lr_lambda(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def hidden_list(features: dict[int, torch.Tensor], num_layers: int) -> list[torch.Tensor | None]:
+    out: list[torch.Tensor | None] = [None] * (num_layers + 1)
+    for layer, tensor in features.items():
+        out[layer] = tensor
+    return out
+
+
+def run_step(config: RunConfig, heads, batch: dict, target, ttt_steps: int | None = None) -> StepOutput:
+    hidden = hidden_list(batch["features"], target.config.num_hidden_layers)
+    lm_head_weight = target.get_output_embeddings().weight
+    t = config.train
+    if config.heads.kind == "medusa":
+        return medusa_step(heads, batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, decay=t.medusa_decay)
+    return eagle_step(
+        heads, batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight,
+        ttt_steps=ttt_steps or t.ttt_steps, ttt_decay=t.ttt_decay, feature_weight=t.feature_weight,
+        ce_weight=t.ce_weight,
+    )
+
+
+def with_features(batch: dict, target, layers: list[int], device) -> dict:
+    """Add the frozen target's features to a batch that lacks them (the online path)."""
+    batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    if "features" not in batch:
+        out = compute_features(target, batch["input_ids"], layers, attention_mask=batch["attention_mask"])
+        batch["features"] = out["features"]
+    else:
+        batch["features"] = {k: v.to(device) for k, v in batch["features"].items()}
+    return batch
+
+
+@torch.no_grad()
+def evaluate(config: RunConfig, heads, heldout, target, layers, device) -> dict:
+    rows = [heldout[i] for i in range(min(len(heldout), config.schedule.eval_examples))]
+    if not rows:
+        return {}
+    was_training = heads.training
+    heads.eval()
+    hits: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    losses = []
+    for at in range(0, len(rows), config.train.micro_batch_size):
+        batch = with_features(collate(rows[at : at + config.train.micro_batch_size]), target, layers, device)
+        out = run_step(config, heads, batch, target, ttt_steps=max(EVAL_DEPTHS, config.train.ttt_steps))
+        losses.append(out.metrics["loss"])
+        hits.append(out.depth_hits)
+    heads.train(was_training)
+    accs = [[] for _ in hits[0]]
+    taus = []
+    for per_batch in hits:
+        batch_accs, tau = simulated_chain_tau(per_batch)
+        taus.append(tau)
+        for j, a in enumerate(batch_accs):
+            accs[j].append(a)
+    return {
+        "eval_loss": sum(losses) / len(losses),
+        "eval_top1_by_depth": [sum(a) / len(a) for a in accs],
+        "eval_simulated_tau_chain": sum(taus) / len(taus),
+    }
+
+
+class RunLog:
+    """JSONL log (rank 0), plus TensorBoard when it is installed."""
+
+    def __init__(self, output_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = output_dir / "log.jsonl"
+        self.tb = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, list):
+                    for i, v in enumerate(value):
+                        self.tb.add_scalar(f"{key}/{i}", v, record["step"])
+
+
+def main(argv=None) -> int:
+    import deepspeed
+
+    args = parse_args(argv)
+    overrides: dict = {}
+    if args.output_dir:
+        overrides["output_dir"] = args.output_dir
+    if args.max_steps is not None:
+        overrides["train"] = {"max_steps": args.max_steps}
+    config = load_run_config(args.config, overrides)
+    rank, world, device = init_distributed()
+    output_dir = Path(config.output_dir)
+    target, tokenizer = load_target(config.target)
+    target.to(device)
+    layers = feature_layers(config, target)
+
+    meta = ckpt.run_meta(config.fingerprint(), world)
+    ckpt.check_meta(output_dir, meta, args.resume)
+    dist.barrier()
+    if rank == 0:
+        ckpt.write_meta(output_dir, meta)
+        train, heldout = prepare_splits(config, tokenizer)
+        if config.data.feature_cache and not cache_ready(config) and world == 1:
+            prepare_features(config, target, train)
+    dist.barrier()
+    if rank != 0:
+        train, heldout = prepare_splits(config, tokenizer)
+    if config.data.feature_cache and not cache_ready(config):
+        raise RuntimeError(
+            f"feature cache {config.data.feature_cache} is incomplete; run `selfdraft prepare --config "
+            f"{args.config}` first (it resumes where it stopped)"
+        )
+    examples = HiddenStateCache(config.data.feature_cache) if config.data.feature_cache else train
+
+    heads = build_run_heads(config, target, train).to(device)
+    stream = SampleStream(len(examples), config.train.seed, world, rank, config.train.micro_batch_size)
+    accum = config.train.gradient_accumulation_steps
+    total = config.train.max_steps or max(1, int(config.train.epochs * stream.steps_per_epoch(accum)))
+    optimizer = torch.optim.AdamW(
+        [p for p in heads.parameters() if p.requires_grad], lr=config.train.lr, weight_decay=config.train.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train.warmup_steps, total))
+    ds_config = deepspeed_config(config, world)
+    engine, _, _, _ = deepspeed.initialize(model=heads, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+
+    step = 0
+    tag = ckpt.latest_tag(output_dir) if args.resume else None
+    if tag:
+        _, client = engine.load_checkpoint(str(output_dir / "checkpoints"), tag=tag)
+        step = int(client["step"])
+    log = RunLog(output_dir, rank == 0)
+    log.write({"step": step, "event": "start" if not tag else "resume", "world_size": world, "total_steps": total,
+               "examples": len(examples), "time": time.time()})
+    bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0, unit="step")
+    tokens_seen = 0
+    t_start = time.perf_counter()
+    while step < total:
+        metrics: dict[str, float] = {}
+        for micro in range(accum):
+            batch = with_features(collate([examples[i] for i in stream.micro_batch(step * accum + micro)]),
+                                  target, layers, device)
+            out = run_step(config, engine.module, batch, target)
+            engine.backward(out.loss)
+            engine.step()
+            tokens_seen += int(batch["attention_mask"].sum())
+            metrics = out.metrics
+        step += 1
+        accs, tau = simulated_chain_tau(out.depth_hits)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{accs[0] if accs else 0:.2f}")
+        bar.update(1)
+        if step % config.schedule.log_every == 0 or step == total:
+            elapsed = time.perf_counter() - t_start
+            log.write({"step": step, "loss": metrics["loss"], "top1_by_depth": accs, "lr": scheduler.get_last_lr()[0],
+                       "tokens_per_s_rank": tokens_seen / elapsed, "world_size": world})
+        if step % config.schedule.eval_every == 0 or step == total:
+            if rank == 0:
+                log.write({"step": step, **evaluate(config, engine.module, heldout, target, layers, device)})
+        if step % config.schedule.save_every == 0 or step == total:
+            engine.save_checkpoint(str(output_dir / "checkpoints"), tag=f"step-{step:07d}",
+                                   client_state={"step": step, "fingerprint": config.fingerprint()})
+            ckpt.export_heads(engine, engine.module, output_dir, rank, zero_stage)
+            if rank == 0:
+                ckpt.prune_checkpoints(output_dir, config.schedule.keep_checkpoints)
+                log.write({"step": step, "event": "checkpoint"})
+            dist.barrier()
+    bar.close()
+    log.write({"step": step, "event": "done", "train_seconds": time.perf_counter() - t_start})
+    ckpt.write_rank_report(output_dir, rank, world, step, engine.module)
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
