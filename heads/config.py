@@ -58,7 +58,11 @@ class HeadsConfig(PretrainedConfig):
             raise ValueError(f"head_kind={head_kind!r}; expected one of {HEAD_KINDS}")
         if medusa_num_heads < 1 or medusa_num_layers < 0:
             raise ValueError("medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
-        if draft_vocab_size is not None and target_vocab_size and not 0 < draft_vocab_size <= target_vocab_size:
+        if (
+            draft_vocab_size is not None
+            and target_vocab_size
+            and not 0 < draft_vocab_size <= target_vocab_size
+        ):
             raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..target_vocab_size")
         if eagle_layout not in EAGLE_LAYOUTS:
             raise ValueError(f"eagle_layout={eagle_layout!r}; expected one of {EAGLE_LAYOUTS}")

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.io import (
     CONFIG_NAME,
@@ -49,7 +51,6 @@ from selfdraft.heads.io import (
     save_heads,
 )
 from selfdraft.heads.published import eagle3_default_layers, rope_kwargs
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ LAYOUTS = {
 # Tensors some old checkpoints carry that are recomputed from the config.
 _IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _MEDUSA_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
-_LAYER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.", "hidden_norm.")
 
 
 class UnknownLayoutError(CorruptCheckpointError):
@@ -357,6 +357,8 @@ def _eagle3(ckpt: Checkpoint, target: nn.Module | None, layout: str) -> tuple[He
         raise CorruptCheckpointError(f"{ckpt.path}: only one-layer EAGLE-3 heads run here; found {extra[:3]}")
     cfg = ckpt.config
     src = cfg.get("transformer_layer_config", cfg) if layout == "speculators" else cfg
+    # Absent means False, the speculators library's default (some vLLM versions assume True when absent;
+    # the exporter always writes the field).
     src = {**src, "norm_before_residual": cfg.get("norm_before_residual", False)}
     fc = ckpt.tensors["fc.weight"]
     hidden, fused = fc.shape

@@ -18,8 +18,15 @@ from selfdraft.heads.projection import DraftVocab
 from selfdraft.inference.kv import cache_kwargs
 
 # Keys of a target config that make no sense (or break construction) for a 1-layer body fed embeddings.
-_DROP_KEYS = ("layer_types", "architectures", "_name_or_path", "auto_map", "quantization_config",
-              "transformers_version", "use_cache")
+_DROP_KEYS = (
+    "layer_types",
+    "architectures",
+    "_name_or_path",
+    "auto_map",
+    "quantization_config",
+    "transformers_version",
+    "use_cache",
+)
 
 
 def one_layer_config(target_config: dict, attn_implementation: str = "sdpa") -> PretrainedConfig:
@@ -27,7 +34,11 @@ def one_layer_config(target_config: dict, attn_implementation: str = "sdpa") -> 
     values = {k: v for k, v in target_config.items() if k not in _DROP_KEYS}
     model_type = values.pop("model_type")
     values.update(
-        num_hidden_layers=1, vocab_size=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        num_hidden_layers=1,
+        vocab_size=1,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
         tie_word_embeddings=False,
     )
     config = AutoConfig.for_model(model_type, **values)

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.io import CONFIG_NAME, WEIGHTS_NAME, read_heads_config, read_safetensors
 from selfdraft.heads.published import layer_config_from_target
@@ -141,6 +143,8 @@ def _verifier(config: HeadsConfig, name_or_path: str | None) -> dict[str, Any]:
             "vLLM's speculators config names its verifier: pass verifier_name_or_path (--verifier)"
         )
     architectures = target.get("architectures") or known.get("architectures")
+    if not architectures and config.target_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.target_model_type]]
     local = Path(name) / CONFIG_NAME
     if not architectures and local.is_file():
         architectures = json.loads(local.read_text()).get("architectures")

@@ -99,7 +99,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
-        raise CorruptCheckpointError(f"{path} is corrupt or truncated ({err}); re-download or re-export it") from err
+        raise CorruptCheckpointError(
+            f"{path} is corrupt or truncated ({err}); re-download or re-export it"
+        ) from err
 
 
 def load_state_strict(module: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
@@ -116,9 +118,7 @@ def load_state_strict(module: nn.Module, state: dict[str, torch.Tensor], source:
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, config implies "
                 f"{tuple(expected[name].shape)}"
             )
-    module.load_state_dict(
-        {k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True
-    )
+    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
 
 
 def is_selfdraft_folder(directory: Path) -> bool:
@@ -129,7 +129,9 @@ def is_selfdraft_folder(directory: Path) -> bool:
         return (directory / CONFIG_NAME).is_file()
 
 
-def load_heads(directory: str | Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32) -> Heads:
+def load_heads(
+    directory: str | Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32
+) -> Heads:
     """Load heads saved by `save_heads`; with `target`, check compatibility and attach to it.
 
     A folder in another project's layout (Medusa-1, EAGLE-1, EAGLE-3, SGLang, vLLM speculators) is

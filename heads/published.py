@@ -37,13 +37,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from selfdraft.heads.borrowed import BorrowingModule
-from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.projection import DraftVocab
 from torch import nn
 from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from selfdraft.heads.borrowed import BorrowingModule
+from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.projection import DraftVocab
 
 # Keys of HeadsConfig.eagle_layer_config (the published decoder layer's own dimensions).
 LAYER_KEYS = (
@@ -176,7 +177,7 @@ class Attention(nn.Module):
             mask = causal_mask(t, k.shape[2], q)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = q @ k.transpose(-1, -2) * self.head_dim**-0.5 + mask.to(q.dtype)
+        scores = q @ k.transpose(-1, -2) * self.head_dim**-0.5 + mask.to(device=q.device, dtype=q.dtype)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return self.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1))
 

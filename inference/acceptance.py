@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
 from selfdraft.inference.sampling import sample
 from selfdraft.inference.tree import TreeSpec
 

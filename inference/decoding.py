@@ -11,10 +11,13 @@ import torch
 from selfdraft.inference import kv
 from selfdraft.inference.acceptance import AcceptResult, accept_greedy, accept_rejection, accept_typical
 from selfdraft.inference.drafting import make_drafter
+from selfdraft.inference.dynamic_tree import DynamicTree
 from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
 from selfdraft.inference.target import max_context
 from selfdraft.inference.tree import TreeSpec
 from selfdraft.inference.verify import TargetPass, prefill, verify_tree
+
+TreeShape = TreeSpec | DynamicTree
 
 ACCEPTANCE_MODES = ("rejection", "typical")
 
@@ -104,7 +107,7 @@ def _first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> i
     return sample(warp_probs(logits, sampling), generator)
 
 
-def _tree_that_fits(spec: TreeSpec, prefix_len: int, limit: int | None) -> TreeSpec | None:
+def _tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeShape | None:
     """The tree if its deepest node still has a position inside the context; else a shorter chain."""
     if limit is None or prefix_len + spec.max_depth < limit:
         return spec
@@ -118,7 +121,7 @@ def speculative_generate(
     heads,
     input_ids: torch.Tensor,
     *,
-    spec: TreeSpec,
+    spec: TreeShape,
     max_new_tokens: int,
     sampling: SamplingParams,
     stop_token_ids: Iterable[int] = (),
@@ -180,6 +183,7 @@ def speculative_generate(
             break
         t0 = time.perf_counter()
         draft = drafter.draft(root, tree)
+        tree = draft.spec  # a dynamic shape becomes a concrete TreeSpec here
         t1 = time.perf_counter()
         passed = verify_tree(target, cache, draft.tokens.to(input_ids.device), tree)
         result = _accept(passed, draft.tokens, tree, sampling, acceptance, generator)

@@ -22,6 +22,7 @@ from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.heads.published import PublishedEagleHead
 from selfdraft.inference import kv
+from selfdraft.inference.dynamic_tree import Candidate, DynamicTree, candidate_ancestors, grow, select_tree
 from selfdraft.inference.tree import TreeSpec, ancestor_matrix
 
 
@@ -47,6 +48,15 @@ def _ranked_candidates(logits: torch.Tensor, k: int, heads) -> torch.Tensor:
     return vocab.to_target(ids) if vocab is not None else ids
 
 
+def _ranked_with_logq(logits: torch.Tensor, k: int, heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [n, V'] -> (k best target ids [n, k], their draft log-probabilities [n, k])."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logq, k, dim=-1)
+    vocab = getattr(heads, "draft_vocab", None)
+    ids = vocab.to_target(top.indices) if vocab is not None else top.indices
+    return ids, top.values
+
+
 class MedusaDrafter:
     """Head d (0-based) on the last accepted feature proposes the tokens at tree depth d+1."""
 
@@ -60,15 +70,25 @@ class MedusaDrafter:
         self.last_feature = hidden_states[self.heads.config.feature_layers[-1]][0, positions[-1]]
 
     @torch.no_grad()
-    def draft(self, root_token: int, spec: TreeSpec) -> Draft:
-        if spec.max_depth > self.heads.num_heads:
-            raise ValueError(f"tree depth {spec.max_depth} exceeds the {self.heads.num_heads} Medusa heads")
+    def draft(self, root_token: int, shape: TreeSpec | DynamicTree) -> Draft:
+        if shape.max_depth > self.heads.num_heads:
+            raise ValueError(f"tree depth {shape.max_depth} exceeds the {self.heads.num_heads} Medusa heads")
+        logits = self.heads.logits(self.last_feature, slice(0, max(1, shape.max_depth)))  # [D, V']
+        if isinstance(shape, DynamicTree):
+            ids, logq = _ranked_with_logq(logits, shape.top_k, self.heads)  # [D, k]: same for every node
+
+            def expand(nodes: list[int], depth: int):
+                return ids[depth].expand(len(nodes), -1), logq[depth].expand(len(nodes), -1)
+
+            cands: list[Candidate] = []
+            grow(shape, root_token, expand, None, cands)
+            spec, tokens = select_tree(cands, shape.total_tokens)
+            return Draft(spec=spec, tokens=tokens)
+        spec = shape
         tokens = torch.empty(spec.size, dtype=torch.long)
         tokens[0] = root_token
         if spec.size > 1:
-            logits = self.heads.logits(self.last_feature, slice(0, spec.max_depth))  # [D, V']
-            k = max(spec.ranks) + 1
-            cands = _ranked_candidates(logits, k, self.heads)  # [D, k]
+            cands = _ranked_candidates(logits, max(spec.ranks) + 1, self.heads)  # [D, k]
             for i in range(1, spec.size):
                 tokens[i] = cands[spec.depths[i] - 1, spec.ranks[i]]
         return Draft(spec=spec, tokens=tokens)
@@ -109,42 +129,90 @@ class EagleDrafter:
         self.pending_tokens, self.pending_features = [], []
         start = self.length
         positions = torch.arange(start, start + tokens.shape[1])[None]
-        mask = _block_mask(torch.tril(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool)), start, feats)
-        out = self.heads(tokens, feats, position_ids=positions, attention_mask=mask, cache=self.cache)
+        causal = torch.tril(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool))
+        out = self.heads(
+            tokens,
+            feats,
+            position_ids=positions,
+            attention_mask=_block_mask(causal, start, feats),
+            cache=self.cache,
+        )
         return out[0, -1]
 
+    def _feed(self, nodes: list[int], depth: int, tokens, parents, allowed_fn, scratch) -> None:
+        """Run the head on depth-`depth` nodes (fed with their parent's predicted feature)."""
+        prefix, fed, node_feature = scratch["prefix"], scratch["fed"], scratch["feature"]
+        cols = fed + nodes
+        inputs = torch.stack([node_feature[parents(c)] for c in nodes])[None]
+        mask = _block_mask(allowed_fn(nodes, cols), prefix, inputs)
+        positions = torch.full((1, len(nodes)), prefix + depth - 1, dtype=torch.long)
+        ids = torch.tensor([tokens(c) for c in nodes])[None]
+        out = self.heads(ids, inputs, position_ids=positions, attention_mask=mask, cache=self.cache)
+        for row, c in enumerate(nodes):
+            node_feature[c] = out[0, row]
+        scratch["fed"] = cols
+
+    def _children(self, nodes: list[int], k: int, node_feature) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = torch.stack([node_feature[u] for u in nodes])
+        return _ranked_with_logq(self.heads.logits(feats), k, self.heads)
+
     @torch.no_grad()
-    def draft(self, root_token: int, spec: TreeSpec) -> Draft:
-        root_feature = self._consume_pending()
-        prefix = self.length
+    def draft(self, root_token: int, shape: TreeSpec | DynamicTree) -> Draft:
+        scratch = {"prefix": None, "fed": [], "feature": {0: self._consume_pending()}}
+        scratch["prefix"] = self.length
+        try:
+            if isinstance(shape, DynamicTree):
+                return self._draft_dynamic(root_token, shape, scratch)
+            return self._draft_static(root_token, shape, scratch)
+        finally:
+            kv.crop(self.cache, scratch["prefix"])  # tree entries never outlive the draft
+
+    def _draft_dynamic(self, root_token: int, shape: DynamicTree, scratch) -> Draft:
+        cands: list[Candidate] = []
+
+        def feed(nodes: list[int], depth: int) -> None:
+            self._feed(
+                nodes,
+                depth,
+                lambda c: cands[c].token,
+                lambda c: cands[c].parent,
+                lambda rows, cols: candidate_ancestors(cands, rows, cols),
+                scratch,
+            )
+
+        grow(
+            shape,
+            root_token,
+            lambda nodes, _: self._children(nodes, shape.top_k, scratch["feature"]),
+            feed,
+            cands,
+        )
+        spec, tokens = select_tree(cands, shape.total_tokens)
+        return Draft(spec=spec, tokens=tokens)
+
+    def _draft_static(self, root_token: int, spec: TreeSpec, scratch) -> Draft:
         tokens = torch.empty(spec.size, dtype=torch.long)
         tokens[0] = root_token
-        node_feature: dict[int, torch.Tensor] = {0: root_feature}
         max_rank = _max_rank_by_parent(spec)
         ancestors = ancestor_matrix(spec)
-        fed: list[int] = []
         for depth in range(spec.max_depth):
             parents = [u for u in spec.nodes_at_depth(depth) if spec.children[u]]
-            feats = torch.stack([node_feature[u] for u in parents])
             k = max(max_rank[u] for u in parents) + 1
-            cands = _ranked_candidates(self.heads.logits(feats), k, self.heads)  # [len(parents), k]
+            ids, _ = self._children(parents, k, scratch["feature"])  # [len(parents), k]
             for row, u in enumerate(parents):
                 for child in spec.children[u]:
-                    tokens[child] = cands[row, spec.ranks[child]]
-            # Feed the new nodes that will have children of their own.
+                    tokens[child] = ids[row, spec.ranks[child]]
             new = [c for u in parents for c in spec.children[u] if spec.children[c]]
             if not new:
                 break
-            cols = fed + new
-            allowed = ancestors[new][:, cols]
-            mask = _block_mask(allowed, prefix, feats)
-            positions = torch.full((1, len(new)), prefix + depth, dtype=torch.long)
-            inputs = torch.stack([node_feature[spec.parents[c]] for c in new])[None]
-            out = self.heads(tokens[new][None], inputs, position_ids=positions, attention_mask=mask, cache=self.cache)
-            for row, c in enumerate(new):
-                node_feature[c] = out[0, row]
-            fed = cols
-        kv.crop(self.cache, prefix)
+            self._feed(
+                new,
+                depth + 1,
+                lambda c: int(tokens[c]),
+                lambda c: spec.parents[c],
+                lambda rows, cols: ancestors[rows][:, cols],
+                scratch,
+            )
         return Draft(spec=spec, tokens=tokens)
 
 

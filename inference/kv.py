@@ -79,4 +79,6 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
 def check_model_takes_cache(model: PreTrainedModel) -> None:
     params = inspect.signature(type(model).forward).parameters
     if "cache" not in params and "past_key_values" not in params:
-        raise TypeError(f"{type(model).__name__}.forward takes no KV cache argument; selfdraft cannot drive it")
+        raise TypeError(
+            f"{type(model).__name__}.forward takes no KV cache argument; selfdraft cannot drive it"
+        )

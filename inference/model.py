@@ -11,6 +11,7 @@ import yaml
 
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
+from selfdraft.inference.dynamic_tree import DynamicTree
 from selfdraft.inference.sampling import SamplingParams
 from selfdraft.inference.target import load_target
 from selfdraft.inference.tree import NAMED_TREES, TreeSpec
@@ -20,13 +21,31 @@ logger = logging.getLogger(__name__)
 SHIPPED = "shipped"  # heads= default: the checkpoint shipped for an embedded target, if any
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
-TreeLike = TreeSpec | str | Sequence[Sequence[int]]
+TreeLike = TreeSpec | DynamicTree | str | Sequence[Sequence[int]]
+DYNAMIC_KEYS = {"depth", "top_k", "total_tokens"}
 
 
-def resolve_tree(tree: TreeLike) -> TreeSpec:
-    """A TreeSpec, a shipped tree name, `chain-N`, a YAML file with `paths:`, or a list of rank paths."""
-    if isinstance(tree, TreeSpec):
+def _parse_dynamic(text: str) -> DynamicTree:
+    """`dynamic` or `dynamic:depth=5,top_k=4,total_tokens=16`."""
+    _, _, args = text.partition(":")
+    values = {}
+    for item in filter(None, args.split(",")):
+        key, _, value = item.partition("=")
+        if key not in DYNAMIC_KEYS or not value.isdigit():
+            raise ValueError(
+                f"bad dynamic tree option {item!r}; use {sorted(DYNAMIC_KEYS)} with integer values"
+            )
+        values[key] = int(value)
+    return DynamicTree(**values)
+
+
+def resolve_tree(tree: TreeLike) -> TreeSpec | DynamicTree:
+    """A TreeSpec or DynamicTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a YAML file with
+    `paths:`, or a list of rank paths."""
+    if isinstance(tree, TreeSpec | DynamicTree):
         return tree
+    if isinstance(tree, str) and (tree == "dynamic" or tree.startswith("dynamic:")):
+        return _parse_dynamic(tree)
     if isinstance(tree, str):
         if tree in NAMED_TREES:
             return NAMED_TREES[tree]
@@ -36,7 +55,9 @@ def resolve_tree(tree: TreeLike) -> TreeSpec:
         if path.suffix in (".yaml", ".yml") and path.is_file():
             data = yaml.safe_load(path.read_text())
             if not isinstance(data, dict) or set(data) - {"paths", "description"} or "paths" not in data:
-                raise ValueError(f"{path}: a tree file holds `paths:` (list of rank lists) and optional `description:`")
+                raise ValueError(
+                    f"{path}: a tree file holds `paths:` (list of rank lists) and optional `description:`"
+                )
             return TreeSpec.from_paths(data["paths"])
         raise ValueError(f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, or a YAML file")
     return TreeSpec.from_paths(tree)
@@ -56,7 +77,9 @@ def _as_prompt_ids(input_ids, device) -> torch.Tensor:
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != 1:
-        raise NotImplementedError(f"input_ids of shape {tuple(ids.shape)}: selfdraft generates one sequence at a time")
+        raise NotImplementedError(
+            f"input_ids of shape {tuple(ids.shape)}: selfdraft generates one sequence at a time"
+        )
     if ids.shape[1] == 0:
         raise ValueError("input_ids is empty")
     return ids
@@ -90,7 +113,9 @@ class SelfDraftModel:
         just slower); a HeadsConfig to build fresh heads of that shape; omitted -> the checkpoint
         shipped for this target, or fresh heads if none is shipped.
         """
-        model, tokenizer = load_target(target, attn_implementation=attn_implementation, dtype=dtype, **target_kwargs)
+        model, tokenizer = load_target(
+            target, attn_implementation=attn_implementation, dtype=dtype, **target_kwargs
+        )
         if heads == SHIPPED:
             heads = shipped_heads_dir(str(target))
             if heads is None:

@@ -72,7 +72,9 @@ def _locate_part(dist: str, relpath: str, model: EmbeddedModel) -> Path:
             f"embedded target {model.name!r} needs the package {dist!r}: {model.install_hint}"
         ) from err
     if not path.is_file():
-        raise FileNotFoundError(f"{dist} is installed but {relpath} is missing; reinstall: {model.install_hint}")
+        raise FileNotFoundError(
+            f"{dist} is installed but {relpath} is missing; reinstall: {model.install_hint}"
+        )
     return path
 
 
@@ -132,7 +134,9 @@ def resolve_target_path(name_or_path: str) -> str:
 def _check_architecture(model: PreTrainedModel) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{config.model_type!r} is encoder-decoder; selfdraft needs a decoder-only causal LM")
+        raise ValueError(
+            f"{config.model_type!r} is encoder-decoder; selfdraft needs a decoder-only causal LM"
+        )
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ATTENTION_BACKENDS:
         raise ValueError(

@@ -166,11 +166,19 @@ def causal_mask(query_len: int, prefix_len: int, dtype: torch.dtype = torch.floa
 # Shapes shipped by name; `configs/trees/*.yaml` may define more.
 NAMED_TREES: dict[str, TreeSpec] = {
     "chain-4": TreeSpec.chain(4),
-    "small": TreeSpec.from_paths(
-        [(0, 0, 0), (0, 1), (1, 0), (2,), (0, 0, 1), (0, 0, 0, 0)]
-    ),
+    "small": TreeSpec.from_paths([(0, 0, 0), (0, 1), (1, 0), (2,), (0, 0, 1), (0, 0, 0, 0)]),
     "medium": TreeSpec.from_paths(
-        [(0, 0, 0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1), (2, 0), (0, 2), (1, 1), (3,), (0, 0, 0, 1),
-         (0, 0, 2)]
+        [
+            (0, 0, 0, 0, 0),
+            (0, 1, 0),
+            (1, 0, 0),
+            (0, 0, 1),
+            (2, 0),
+            (0, 2),
+            (1, 1),
+            (3,),
+            (0, 0, 0, 1),
+            (0, 0, 2),
+        ]
     ),
 }

@@ -17,7 +17,9 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="selfdraft", description="Lossless speculative decoding with draft heads.")
+    parser = argparse.ArgumentParser(
+        prog="selfdraft", description="Lossless speculative decoding with draft heads."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)

@@ -13,7 +13,9 @@ from selfdraft.inference.model import SHIPPED
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct", help="embedded name, folder or hub id")
     parser.add_argument("--heads", default=SHIPPED, help="heads folder, 'none' for fresh heads, or 'shipped'")
-    parser.add_argument("--head-kind", default="eagle", choices=["eagle", "medusa"], help="kind of fresh heads")
+    parser.add_argument(
+        "--head-kind", default="eagle", choices=["eagle", "medusa"], help="kind of fresh heads"
+    )
     parser.add_argument("--tree", default="small", help="tree name, chain-N or YAML file")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
@@ -29,11 +31,20 @@ def run(args: argparse.Namespace) -> int:
 
     heads = None if args.heads.lower() == "none" else args.heads
     model = SelfDraftModel.from_pretrained(args.target, heads=heads, tree=args.tree, head_kind=args.head_kind)
-    ids = model.tokenizer(args.prompt, return_tensors="pt").input_ids if args.raw else model.chat_ids(args.prompt)
+    ids = (
+        model.tokenizer(args.prompt, return_tensors="pt").input_ids
+        if args.raw
+        else model.chat_ids(args.prompt)
+    )
     streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = model.generate(
-        ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, streamer=streamer,
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        streamer=streamer,
     )
     s = out.stats
     print(

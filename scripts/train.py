@@ -24,8 +24,12 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     if args.nnodes > 1:
         if not args.rdzv_endpoint:
             raise SystemExit("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
-        cmd += [f"--nnodes={args.nnodes}", f"--node_rank={args.node_rank}", "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={args.rdzv_endpoint}"]
+        cmd += [
+            f"--nnodes={args.nnodes}",
+            f"--node_rank={args.node_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={args.rdzv_endpoint}",
+        ]
     else:
         cmd.append("--standalone")
     cmd += ["-m", "selfdraft.training.train", "--config", args.config]

@@ -37,9 +37,7 @@ class OracleDrafter:
         for i in range(1, spec.size):
             at = self.known + spec.depths[i]  # index of this node's token in the reference
             right = self.reference[at] if at < len(self.reference) else 0
-            on_path = all(
-                spec.ranks[a] == self.correct_rank for a in spec.path_to(i)[1:]
-            )
+            on_path = all(spec.ranks[a] == self.correct_rank for a in spec.path_to(i)[1:])
             good = on_path and spec.ranks[i] == self.correct_rank and not miss
             tokens[i] = right if good else self._wrong(right, spec.ranks[i])
         return Draft(spec=spec, tokens=tokens)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from selfdraft.inference import acceptance
 from selfdraft.inference.acceptance import (
     AcceptResult,
@@ -27,6 +28,8 @@ from selfdraft.inference.acceptance import (
 )
 from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
 from selfdraft.inference.tree import TreeSpec
+
+from stats import chi_square
 
 # ---- toy target and drafters -------------------------------------------------------------------------
 V = 8
@@ -133,33 +136,6 @@ def _exact_laws(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
 # Chi-square goodness of fit at significance alpha = 1e-4 per statistic (two statistics per run, so a
 # correct rule fails a run with probability <= 2e-4; seeds are fixed, so the suite is deterministic
 # anyway). Cells with expected count < 5 are pooled into one cell so the chi-square approximation holds.
-# The critical value uses the Wilson-Hilferty approximation chi2_{df,1-alpha} ~= df (1 - 2/(9 df) +
-# z sqrt(2/(9 df)))^3 with z = 3.7190 (the N(0,1) 1 - 1e-4 quantile); for df = 1..63 it is within ~7%
-# of the exact value and on the conservative (larger) side. Any count in a cell of exact probability 0
-# (a token top-k / top-p removed) fails outright.
-Z_ALPHA = 3.7190
-
-
-def chi2_critical(df: int) -> float:
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + Z_ALPHA * math.sqrt(c)) ** 3
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    """(statistic, critical value) for counts vs. exact probs (same shape, any)."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    if bool((counts[probs == 0] > 0).any()):
-        return math.inf, 0.0
-    expected = counts.sum() * probs
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return stat, chi2_critical(max(len(exp) - 1, 1))
-
-
 def gate(prefixes: list[tuple[int, int, int]], params: SamplingParams) -> dict[str, tuple[float, float]]:
     """Chi-square statistics for the joint of the first two tokens and the marginal of the third."""
     x = torch.tensor(prefixes)

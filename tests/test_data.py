@@ -9,6 +9,8 @@ import json
 import datasets
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
 from selfdraft.training import data, sources
 from selfdraft.training.data import (
     HELDOUT_FILE,
@@ -27,15 +29,15 @@ from selfdraft.training.sources import (
     sharegpt_path,
     sharegpt_to_messages,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 RECORD_START = '\n  {\n    "id": '  # how the shipped file (json.dumps indent=2) starts each record
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from selfdraft.inference.target import resolve_target_path
     from transformers import AutoTokenizer
+
+    from selfdraft.inference.target import resolve_target_path
 
     return AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
 

@@ -6,13 +6,14 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
 from selfdraft.training.feature_cache import (
     HiddenStateCache,
     cache_hidden_states,
     example_features,
     normalize_layers,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 LAYERS = [0, 1, -1]
 TOPK = 4

@@ -2,14 +2,15 @@
 
 import pytest
 import torch
-from oracle import OracleDrafter
-from tiny_models import greedy_reference, tiny_target
 
 from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.decoding import speculative_generate
 from selfdraft.inference.sampling import SamplingParams
 from selfdraft.inference.tree import NAMED_TREES, TreeSpec
+
+from oracle import OracleDrafter
+from tiny_models import greedy_reference, tiny_target
 
 PROMPTS = [
     "What is the capital of France?",
@@ -27,7 +28,9 @@ NEW_TOKENS = 20
 def random_heads(target, kind: str, seed: int, draft_vocab_size=None):
     """Heads with random (not zero) weights, so drafts are arbitrary but deterministic."""
     torch.manual_seed(seed)
-    heads = build_heads(HeadsConfig.for_target(target.config, head_kind=kind, draft_vocab_size=draft_vocab_size))
+    heads = build_heads(
+        HeadsConfig.for_target(target.config, head_kind=kind, draft_vocab_size=draft_vocab_size)
+    )
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.02)
@@ -72,8 +75,13 @@ def test_smollm_multi_token_acceptance_and_eos_inside_block(smollm, references, 
     ids, ref = references[1]
     full = ids[0].tolist() + ref
     out = speculative_generate(
-        target, OracleDrafter(full, target.config.vocab_size, miss_every=3), ids, spec=spec,
-        max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_token_ids=[],
+        target,
+        OracleDrafter(full, target.config.vocab_size, miss_every=3),
+        ids,
+        spec=spec,
+        max_new_tokens=NEW_TOKENS,
+        sampling=SamplingParams(),
+        stop_token_ids=[],
     )
     assert out.tokens == ref
     assert out.stats.mean_accepted > 2.0  # blocks were really accepted, so compaction was exercised
@@ -82,8 +90,13 @@ def test_smollm_multi_token_acceptance_and_eos_inside_block(smollm, references, 
     stop = ref[stop_at]
     first = ref.index(stop)
     out = speculative_generate(
-        target, OracleDrafter(full, target.config.vocab_size), ids, spec=spec,
-        max_new_tokens=NEW_TOKENS, sampling=SamplingParams(), stop_token_ids=[stop],
+        target,
+        OracleDrafter(full, target.config.vocab_size),
+        ids,
+        spec=spec,
+        max_new_tokens=NEW_TOKENS,
+        sampling=SamplingParams(),
+        stop_token_ids=[stop],
     )
     assert out.tokens == ref[: first + 1]
     assert out.stats.finish_reason == "stop"
@@ -95,8 +108,13 @@ def test_max_new_tokens_exact_inside_block(budget):
     prompt = torch.tensor([[5, 9, 11]])
     ref = prompt[0].tolist() + greedy_reference(target, prompt, 12)
     out = speculative_generate(
-        target, OracleDrafter(ref, 96), prompt, spec=TreeSpec.chain(4), max_new_tokens=budget,
-        sampling=SamplingParams(), stop_token_ids=[],
+        target,
+        OracleDrafter(ref, 96),
+        prompt,
+        spec=TreeSpec.chain(4),
+        max_new_tokens=budget,
+        sampling=SamplingParams(),
+        stop_token_ids=[],
     )
     assert out.tokens == ref[3 : 3 + budget]
     assert out.stats.finish_reason == "length"
@@ -115,8 +133,13 @@ def test_tiny_architectures_greedy_identity(arch, kind):
         assert out.tokens == ref
         # An oracle on the same target: long accepted blocks, same text
         oracle = speculative_generate(
-            target, OracleDrafter(prompt[0].tolist() + ref, 96, correct_rank=1), prompt,
-            spec=NAMED_TREES["medium"], max_new_tokens=30, sampling=SamplingParams(), stop_token_ids=[],
+            target,
+            OracleDrafter(prompt[0].tolist() + ref, 96, correct_rank=1),
+            prompt,
+            spec=NAMED_TREES["medium"],
+            max_new_tokens=30,
+            sampling=SamplingParams(),
+            stop_token_ids=[],
         )
         assert oracle.tokens == ref and oracle.stats.mean_accepted > 2.5
 

@@ -4,10 +4,11 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_target
 
 from selfdraft.heads import HeadsConfig, HeadsMismatchError, build_heads, load_heads, save_heads
 from selfdraft.heads.io import CorruptCheckpointError
+
+from tiny_models import tiny_target
 
 
 def _heads(target, kind, **kw):
@@ -21,8 +22,14 @@ def _heads(target, kind, **kw):
 
 @pytest.mark.parametrize(
     "kind,kw",
-    [("medusa", {}), ("medusa", {"medusa_own_lm_head": True}), ("medusa", {"draft_vocab_size": 40}),
-     ("eagle", {}), ("eagle", {"draft_vocab_size": 40}), ("eagle", {"feature_layers": [1, 2, -1]})],
+    [
+        ("medusa", {}),
+        ("medusa", {"medusa_own_lm_head": True}),
+        ("medusa", {"draft_vocab_size": 40}),
+        ("eagle", {}),
+        ("eagle", {"draft_vocab_size": 40}),
+        ("eagle", {"feature_layers": [1, 2, -1]}),
+    ],
 )
 def test_round_trip_same_logits(tmp_path, kind, kw):
     target = tiny_target("llama")
@@ -78,8 +85,12 @@ def test_mismatch_is_a_clear_error(tmp_path, other, field):
         wrong = tiny_target("qwen2")
     else:
         cfg = LlamaConfig(
-            vocab_size=200 if other == "llama-vocab" else 96, hidden_size=64 if other == "llama-wide" else 32,
-            intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=200 if other == "llama-vocab" else 96,
+            hidden_size=64 if other == "llama-wide" else 32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
         )
         wrong = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(HeadsMismatchError, match=field) as err:

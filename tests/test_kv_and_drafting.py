@@ -2,13 +2,14 @@
 
 import pytest
 import torch
-from tiny_models import tiny_target
 
 from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import kv
 from selfdraft.inference.drafting import EagleDrafter, MedusaDrafter
 from selfdraft.inference.tree import NAMED_TREES, TreeSpec
 from selfdraft.inference.verify import prefill, verify_tree
+
+from tiny_models import tiny_target
 
 SPEC = TreeSpec.from_paths([(0, 0, 0), (0, 1), (1, 0), (2,)])
 

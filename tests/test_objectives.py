@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import datasets
 import pytest
 import torch
+
 from selfdraft.training.objectives import (
     build_draft_vocab,
     count_tokens,
@@ -160,6 +162,8 @@ def test_count_tokens_counts_loss_masked_tokens_only():
         {"input_ids": [3, 3, 0], "loss_mask": [1, 1, 1]},
     ]
     assert count_tokens(rows, 5).tolist() == [1, 0, 2, 2, 0]
+    assert count_tokens(datasets.Dataset.from_list(rows), 5).tolist() == [1, 0, 2, 2, 0]
+    assert count_tokens(datasets.Dataset.from_list(rows).select([]), 5).tolist() == [0] * 5
 
 
 def test_topk_accuracy_per_head():

@@ -4,10 +4,11 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import tiny_target
 
 from selfdraft.inference import target as target_mod
 from selfdraft.inference.target import EMBEDDED, load_target, max_context, prepare_target
+
+from tiny_models import tiny_target
 
 
 def test_embedded_smollm_is_real_and_frozen(smollm):
@@ -53,12 +54,12 @@ def test_flash_attention_is_refused():
 def test_local_folder_loads(tmp_path):
     model = tiny_target("qwen2")
     model.save_pretrained(tmp_path)
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]"))).save_pretrained(
-        tmp_path
-    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]"))
+    ).save_pretrained(tmp_path)
     loaded, _ = load_target(str(tmp_path), attn_implementation="eager")
     assert loaded.config.model_type == "qwen2" and loaded.config._attn_implementation == "eager"
     assert max_context(loaded) == 256

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny_models import greedy_reference
 
 from selfdraft.training.config import ConfigError, load_run_config
+
+from tiny_models import greedy_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -31,9 +32,16 @@ def tiny_target_dir(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
     )
     path = tmp_path_factory.mktemp("tiny-target")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -48,7 +56,14 @@ def write_config(tmp_path: Path, target: Path, stage: int = 1, **train) -> Path:
         "deepspeed": str(ROOT / f"configs/deepspeed/zero{stage}.json"),
         "heads": {"kind": "eagle", "draft_vocab_size": 512},
         "data": {"sources": ["sharegpt"], "limit_records": 40, "max_length": 96, "heldout_fraction": 0.1},
-        "train": {"max_steps": 16, "micro_batch_size": 2, "lr": 0.01, "warmup_steps": 1, "ttt_steps": 2, **train},
+        "train": {
+            "max_steps": 16,
+            "micro_batch_size": 2,
+            "lr": 0.01,
+            "warmup_steps": 1,
+            "ttt_steps": 2,
+            **train,
+        },
         "schedule": {"save_every": 8, "eval_every": 8, "log_every": 1, "eval_examples": 4},
     }
     path = tmp_path / "run.yaml"
@@ -70,7 +85,10 @@ def test_two_rank_deepspeed_job(tmp_path, tiny_target_dir, stage):
     config = write_config(tmp_path, tiny_target_dir, stage)
     proc = subprocess.run(
         [PY, "-m", "selfdraft.scripts.cli", "train", "--config", str(config), "--nproc", "2"],
-        capture_output=True, text=True, env=_env(), timeout=240,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
@@ -81,7 +99,9 @@ def test_two_rank_deepspeed_job(tmp_path, tiny_target_dir, stage):
     assert len(losses) == 16
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4  # it learns
     evals = [r for r in read_log(run) if "eval_top1_by_depth" in r]
-    assert evals and len(evals[-1]["eval_top1_by_depth"]) == 4 and evals[-1]["eval_simulated_tau_chain"] >= 1.0
+    assert (
+        evals and len(evals[-1]["eval_top1_by_depth"]) == 4 and evals[-1]["eval_simulated_tau_chain"] >= 1.0
+    )
 
     # the consolidated export loads straight into SelfDraftModel and stays lossless
     from selfdraft.inference import SelfDraftModel
@@ -100,8 +120,9 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
     config.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"
     worker = [PY, "-m", "selfdraft.training.train", "--config", str(config)]
-    proc = subprocess.Popen(worker, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        worker, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.time() + 180
     while time.time() < deadline:
         saved = [r["step"] for r in read_log(run) if r.get("event") == "checkpoint"]
@@ -119,8 +140,13 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
     assert again.returncode != 0 and "--resume" in again.stderr
     changed = tmp_path / "changed.yaml"
     changed.write_text(config.read_text().replace("lr: 0.01", "lr: 0.02"))
-    bad = subprocess.run([PY, "-m", "selfdraft.training.train", "--config", str(changed), "--resume"],
-                         env=_env(), capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [PY, "-m", "selfdraft.training.train", "--config", str(changed), "--resume"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "different config" in bad.stderr
 
     resumed = subprocess.run(worker + ["--resume"], env=_env(), capture_output=True, text=True, timeout=180)
@@ -131,13 +157,14 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
     assert resume["step"] >= 10
     done = [r for r in log if r.get("event") == "done"]
     assert done[-1]["step"] == steps
-    after = [r["step"] for r in log[log.index(resume):] if "loss" in r]
+    after = [r["step"] for r in log[log.index(resume) :] if "loss" in r]
     assert after == list(range(resume["step"] + 1, steps + 1))  # no step skipped or repeated
 
     # the resumed run ends where an uninterrupted run ends
     straight = tmp_path / "straight"
-    ok = subprocess.run(worker + ["--output-dir", str(straight)], env=_env(), capture_output=True, text=True,
-                        timeout=180)
+    ok = subprocess.run(
+        worker + ["--output-dir", str(straight)], env=_env(), capture_output=True, text=True, timeout=180
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     digest = json.loads((run / "ranks" / "rank0.json").read_text())["params_sha256"]
     reference = json.loads((straight / "ranks" / "rank0.json").read_text())["params_sha256"]

@@ -2,18 +2,21 @@
 
 import pytest
 import torch
-from tiny_models import CONFIGS, tiny_target
 
 from selfdraft.inference import kv
 from selfdraft.inference.tree import NAMED_TREES, TreeSpec, tree_attention_mask
 from selfdraft.inference.verify import prefill, verify_tree
+
+from tiny_models import CONFIGS, tiny_target
 
 RAGGED = TreeSpec.from_paths([(0, 0, 0), (0, 1), (1,), (2, 0), (2, 1, 0)])
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-@pytest.mark.parametrize("spec", [RAGGED, NAMED_TREES["small"], TreeSpec.chain(3)], ids=["ragged", "small", "chain"])
+@pytest.mark.parametrize(
+    "spec", [RAGGED, NAMED_TREES["small"], TreeSpec.chain(3)], ids=["ragged", "small", "chain"]
+)
 def test_tree_pass_matches_sequential(arch, attn, spec):
     target = tiny_target(arch, attn)
     gen = torch.Generator().manual_seed(1)

@@ -46,7 +46,11 @@ def tiny_target(arch: str = "llama", attn: str = "sdpa", seed: int = 0):
 def greedy_reference(target, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
     """The target's own greedy continuation (no EOS stop; explicit mask so pad ids are not masked)."""
     out = target.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    return out[0, prompt.shape[1]:].tolist()
+    return out[0, prompt.shape[1] :].tolist()

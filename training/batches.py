@@ -15,7 +15,13 @@ class SampleStream:
     def __init__(self, num_examples: int, seed: int, world: int, rank: int, micro_batch_size: int) -> None:
         if num_examples < 1:
             raise ValueError("no training examples")
-        self.n, self.seed, self.world, self.rank, self.batch = num_examples, seed, world, rank, micro_batch_size
+        self.n, self.seed, self.world, self.rank, self.batch = (
+            num_examples,
+            seed,
+            world,
+            rank,
+            micro_batch_size,
+        )
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:

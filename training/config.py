@@ -26,12 +26,15 @@ class HeadsSection:
 
 @dataclass
 class DataSection:
-    sources: list[str] = field(default_factory=lambda: ["sharegpt"])  # sharegpt | python-stdlib | path | hf name
+    sources: list[str] = field(
+        default_factory=lambda: ["sharegpt"]
+    )  # sharegpt | python-stdlib | path | hf name
     max_length: int = 512
     limit_records: int | None = None
     heldout_fraction: float = 0.02
     seed: int = 0
     feature_cache: str | None = None  # folder for cached target features; None = computed online
+    partial_cache: bool = False  # train on the shards cached so far (a staged, resumable data build)
 
 
 @dataclass

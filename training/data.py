@@ -17,8 +17,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
-from selfdraft.training.sources import load_source
 from tqdm.auto import tqdm
+
+from selfdraft.training.sources import load_source
 
 logger = logging.getLogger(__name__)
 

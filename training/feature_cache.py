@@ -203,22 +203,34 @@ def cache_hidden_states(
 
 
 class HiddenStateCache(torch.utils.data.Dataset):
-    """Map-style reader of a finished cache; each item is the dict `example_features` returns."""
+    """Map-style reader of a cache; each item is the dict `example_features` returns.
 
-    def __init__(self, out_dir: str | Path):
+    allow_partial: read only the shards finished so far (the dataset was shuffled before caching, so
+    any set of shards is a random subset). Otherwise a missing shard is an error.
+    """
+
+    def __init__(self, out_dir: str | Path, allow_partial: bool = False):
         self.root = Path(out_dir)
         self.index = json.loads((self.root / INDEX_FILE).read_text())
-        missing = [s["name"] for s in self.index["shards"] if not (self.root / s["name"]).is_dir()]
-        if missing:
+        shards = self.index["shards"]
+        missing = [s["name"] for s in shards if not (self.root / s["name"]).is_dir()]
+        if missing and not allow_partial:
             raise FileNotFoundError(
                 f"{self.root}: {len(missing)} shards not written yet; rerun cache_hidden_states to resume"
             )
+        self._shards = [k for k, s in enumerate(shards) if s["name"] not in set(missing)]
+        if not self._shards:
+            raise FileNotFoundError(f"{self.root}: no finished shard yet")
         self.layers: list[int] = self.index["layers"]
-        self._starts = [s["start"] for s in self.index["shards"]]
+        # global index over the finished shards only: shard k's examples start at _starts[pos]
+        counts = [shards[k]["count"] for k in self._shards]
+        self._starts = [sum(counts[:pos]) for pos in range(len(counts))]
+        self._length = sum(counts)
+        self.num_tokens = sum(shards[k]["tokens"] for k in self._shards)
         self._open: dict[int, dict[str, np.ndarray]] = {}
 
     def __len__(self) -> int:
-        return self.index["num_examples"]
+        return self._length
 
     def _shard(self, k: int) -> dict[str, np.ndarray]:
         if k not in self._open:  # mmap: only the pages an example touches are read
@@ -229,9 +241,9 @@ class HiddenStateCache(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        k = bisect.bisect_right(self._starts, i) - 1
-        arrays = self._shard(k)
-        local = i - self._starts[k]
+        pos = bisect.bisect_right(self._starts, i) - 1
+        arrays = self._shard(self._shards[pos])
+        local = i - self._starts[pos]
         lo, hi = int(arrays["offsets"][local]), int(arrays["offsets"][local + 1])
 
         def take(name: str, dtype: torch.dtype) -> torch.Tensor:

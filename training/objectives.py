@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -138,13 +139,23 @@ def ttt_weights(n_steps: int, decay: float = 0.8) -> torch.Tensor:
 
 
 def count_tokens(dataset: Iterable[dict], vocab_size: int) -> torch.Tensor:
-    """Frequency of each target token among loss-masked tokens (what the draft must propose). -> [V]."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for row in dataset:
-        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
-        keep = torch.as_tensor(row["loss_mask"]).bool()
-        counts += torch.bincount(ids[keep], minlength=vocab_size)[:vocab_size]
-    return counts
+    """Frequency of each target token among loss-masked tokens (what the draft must propose). -> [V].
+
+    dataset: rows with input_ids and loss_mask; a `datasets.Dataset` is read in numpy batches (row by
+    row, converting Python lists, took ~90 s on ShareGPT instead of ~1 s).
+    """
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    if hasattr(dataset, "with_format"):
+        batches = dataset.with_format("numpy").iter(batch_size=1024)
+    else:
+        batches = ({"input_ids": [row["input_ids"]], "loss_mask": [row["loss_mask"]]} for row in dataset)
+    for batch in batches:
+        if len(batch["input_ids"]) == 0:
+            continue
+        ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in batch["input_ids"]])
+        keep = np.concatenate([np.asarray(x) for x in batch["loss_mask"]]).astype(bool)
+        counts += np.bincount(ids[keep], minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
 
 
 def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,11 @@ def prepare_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, data
     if (root / "train").is_dir() and (root / "heldout").is_dir():
         return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
     train, heldout = build_dataset(
-        config.data.sources if config.data.limit_records is None else [
-            f"{s}:{config.data.limit_records}" if s in ("sharegpt", "python-stdlib") else s for s in config.data.sources
+        config.data.sources
+        if config.data.limit_records is None
+        else [
+            f"{s}:{config.data.limit_records}" if s in ("sharegpt", "python-stdlib") else s
+            for s in config.data.sources
         ],
         tokenizer,
         max_length=config.data.max_length,
@@ -61,6 +64,10 @@ def prepare_features(config: RunConfig, target, train: datasets.Dataset, batch_s
     if not config.data.feature_cache:
         return None
     return cache_hidden_states(
-        target, train, config.data.feature_cache, feature_layers(config, target),
-        shard_tokens=SHARD_TOKENS, batch_size=batch_size,
+        target,
+        train,
+        config.data.feature_cache,
+        feature_layers(config, target),
+        shard_tokens=SHARD_TOKENS,
+        batch_size=batch_size,
     )

@@ -41,7 +41,9 @@ def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.
     allowed = torch.cat(blocks, dim=1)
     if step > 0:
         allowed[:, -length:] |= torch.eye(length, dtype=torch.bool, device=device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
     return mask[None, None]
 
 
@@ -95,7 +97,9 @@ def eagle_step(
         v = valid.clone()
         v[:, :j] = False
         kl = forward_kl(logits, labels, v)
-        feat = (F.smooth_l1_loss(out, feature_targets, reduction="none").mean(-1) * v).sum() / v.sum().clamp(min=1)
+        feat = (F.smooth_l1_loss(out, feature_targets, reduction="none").mean(-1) * v).sum() / v.sum().clamp(
+            min=1
+        )
         loss = loss + weights[j] * (ce_weight * kl + feature_weight * feat)
         metrics[f"kl_{j}"] = float(kl.detach())
         with torch.no_grad():

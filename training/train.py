@@ -103,10 +103,18 @@ def run_step(config: RunConfig, heads, batch: dict, target, ttt_steps: int | Non
     lm_head_weight = target.get_output_embeddings().weight
     t = config.train
     if config.heads.kind == "medusa":
-        return medusa_step(heads, batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, decay=t.medusa_decay)
+        return medusa_step(
+            heads, batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, decay=t.medusa_decay
+        )
     return eagle_step(
-        heads, batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight,
-        ttt_steps=ttt_steps or t.ttt_steps, ttt_decay=t.ttt_decay, feature_weight=t.feature_weight,
+        heads,
+        batch["input_ids"],
+        batch["loss_mask"],
+        hidden,
+        lm_head_weight,
+        ttt_steps=ttt_steps or t.ttt_steps,
+        ttt_decay=t.ttt_decay,
+        feature_weight=t.feature_weight,
         ce_weight=t.ce_weight,
     )
 
@@ -207,23 +215,31 @@ def main(argv=None) -> int:
     dist.barrier()
     if rank != 0:
         train, heldout = prepare_splits(config, tokenizer)
-    if config.data.feature_cache and not cache_ready(config):
+    if config.data.feature_cache and not config.data.partial_cache and not cache_ready(config):
         raise RuntimeError(
             f"feature cache {config.data.feature_cache} is incomplete; run `selfdraft prepare --config "
             f"{args.config}` first (it resumes where it stopped)"
         )
-    examples = HiddenStateCache(config.data.feature_cache) if config.data.feature_cache else train
+    examples = (
+        HiddenStateCache(config.data.feature_cache, allow_partial=config.data.partial_cache)
+        if config.data.feature_cache
+        else train
+    )
 
     heads = build_run_heads(config, target, train).to(device)
     stream = SampleStream(len(examples), config.train.seed, world, rank, config.train.micro_batch_size)
     accum = config.train.gradient_accumulation_steps
     total = config.train.max_steps or max(1, int(config.train.epochs * stream.steps_per_epoch(accum)))
     optimizer = torch.optim.AdamW(
-        [p for p in heads.parameters() if p.requires_grad], lr=config.train.lr, weight_decay=config.train.weight_decay
+        [p for p in heads.parameters() if p.requires_grad],
+        lr=config.train.lr,
+        weight_decay=config.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train.warmup_steps, total))
     ds_config = deepspeed_config(config, world)
-    engine, _, _, _ = deepspeed.initialize(model=heads, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=heads, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
     zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
 
     step = 0
@@ -232,16 +248,28 @@ def main(argv=None) -> int:
         _, client = engine.load_checkpoint(str(output_dir / "checkpoints"), tag=tag)
         step = int(client["step"])
     log = RunLog(output_dir, rank == 0)
-    log.write({"step": step, "event": "start" if not tag else "resume", "world_size": world, "total_steps": total,
-               "examples": len(examples), "time": time.time()})
+    log.write(
+        {
+            "step": step,
+            "event": "start" if not tag else "resume",
+            "world_size": world,
+            "total_steps": total,
+            "examples": len(examples),
+            "time": time.time(),
+        }
+    )
     bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0, unit="step")
     tokens_seen = 0
     t_start = time.perf_counter()
     while step < total:
         metrics: dict[str, float] = {}
         for micro in range(accum):
-            batch = with_features(collate([examples[i] for i in stream.micro_batch(step * accum + micro)]),
-                                  target, layers, device)
+            batch = with_features(
+                collate([examples[i] for i in stream.micro_batch(step * accum + micro)]),
+                target,
+                layers,
+                device,
+            )
             out = run_step(config, engine.module, batch, target)
             engine.backward(out.loss)
             engine.step()
@@ -253,14 +281,24 @@ def main(argv=None) -> int:
         bar.update(1)
         if step % config.schedule.log_every == 0 or step == total:
             elapsed = time.perf_counter() - t_start
-            log.write({"step": step, "loss": metrics["loss"], "top1_by_depth": accs, "lr": scheduler.get_last_lr()[0],
-                       "tokens_per_s_rank": tokens_seen / elapsed, "world_size": world})
-        if step % config.schedule.eval_every == 0 or step == total:
-            if rank == 0:
-                log.write({"step": step, **evaluate(config, engine.module, heldout, target, layers, device)})
+            log.write(
+                {
+                    "step": step,
+                    "loss": metrics["loss"],
+                    "top1_by_depth": accs,
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s_rank": tokens_seen / elapsed,
+                    "world_size": world,
+                }
+            )
+        if (step % config.schedule.eval_every == 0 or step == total) and rank == 0:
+            log.write({"step": step, **evaluate(config, engine.module, heldout, target, layers, device)})
         if step % config.schedule.save_every == 0 or step == total:
-            engine.save_checkpoint(str(output_dir / "checkpoints"), tag=f"step-{step:07d}",
-                                   client_state={"step": step, "fingerprint": config.fingerprint()})
+            engine.save_checkpoint(
+                str(output_dir / "checkpoints"),
+                tag=f"step-{step:07d}",
+                client_state={"step": step, "fingerprint": config.fingerprint()},
+            )
             ckpt.export_heads(engine, engine.module, output_dir, rank, zero_stage)
             if rank == 0:
                 ckpt.prune_checkpoints(output_dir, config.schedule.keep_checkpoints)

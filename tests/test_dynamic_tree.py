@@ -1,0 +1,109 @@
+"""Dynamic (EAGLE-2) trees: selection by cumulative draft log-probability, drafting, greedy identity."""
+
+import math
+
+import pytest
+import torch
+from test_kv_and_drafting import _eagle_reference_tokens
+
+from selfdraft.heads import HeadsConfig, build_heads
+from selfdraft.inference import SelfDraftModel, kv
+from selfdraft.inference.drafting import EagleDrafter
+from selfdraft.inference.dynamic_tree import DynamicTree, grow, select_tree
+from selfdraft.inference.model import resolve_tree
+from selfdraft.inference.verify import prefill
+
+from tiny_models import greedy_reference, tiny_target
+
+
+def _table_expand(seed: int, k: int):
+    """Children log-probs from a fixed random table keyed by (depth, node): a pure, known drafter."""
+    gen = torch.Generator().manual_seed(seed)
+    table: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def expand(nodes, depth):
+        ids, logq = [], []
+        for u in nodes:
+            if (depth, u) not in table:
+                logits = torch.randn(20, generator=gen) * 2
+                top = torch.topk(torch.log_softmax(logits, -1), k)
+                table[(depth, u)] = (top.indices, top.values)
+            ids.append(table[(depth, u)][0])
+            logq.append(table[(depth, u)][1])
+        return torch.stack(ids), torch.stack(logq)
+
+    return expand
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("policy", [DynamicTree(3, 2, 5), DynamicTree(4, 3, 10), DynamicTree(2, 4, 30)])
+def test_selection_is_best_scoring_and_ancestor_closed(seed, policy):
+    cands = []
+    fed_depths = []
+    grow(
+        policy,
+        7,
+        _table_expand(seed, policy.top_k),
+        lambda nodes, d: fed_depths.append((d, len(nodes))),
+        cands,
+    )
+    # every expanded frontier is the top_k of its depth by cumulative score
+    assert all(n <= policy.top_k for _, n in fed_depths) and [d for d, _ in fed_depths] == list(
+        range(1, policy.depth)
+    )
+    spec, tokens = select_tree(cands, policy.total_tokens)
+    assert tokens[0] == 7 and spec.max_depth <= policy.depth
+    n_drafted = min(policy.total_tokens, len(cands) - 1)
+    assert spec.size - 1 >= n_drafted
+    # the kept scores dominate every dropped candidate
+    kept_scores = sorted((c.score for c in cands[1:]), reverse=True)[:n_drafted]
+    threshold = kept_scores[-1]
+    for node in range(1, spec.size):
+        path = spec.path_to(node)
+        assert len(path) - 1 == spec.depths[node]
+    assert sum(1 for c in cands[1:] if c.score > threshold + 1e-9) <= n_drafted
+    assert all(math.isfinite(c.score) and c.score <= 0 for c in cands)
+
+
+def test_resolve_dynamic_names():
+    assert resolve_tree("dynamic") == DynamicTree()
+    assert resolve_tree("dynamic:depth=5,top_k=3,total_tokens=16") == DynamicTree(5, 3, 16)
+    with pytest.raises(ValueError, match="bad dynamic tree option"):
+        resolve_tree("dynamic:width=3")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_eagle_dynamic_draft_matches_recomputation(arch):
+    torch.manual_seed(0)
+    target = tiny_target(arch)
+    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(3))
+    cache = kv.new_cache()
+    passed = prefill(target, prompt, cache)
+    root = int(passed.logits[-1].argmax())
+    drafter = EagleDrafter(heads)
+    drafter.observe(torch.cat([prompt[0, 1:], torch.tensor([root])]), passed.hidden_states, torch.arange(5))
+    with torch.no_grad():
+        draft = drafter.draft(root, DynamicTree(depth=3, top_k=3, total_tokens=8))
+        # the dynamic tree's nodes are exactly what the head proposes along each path (ranks included)
+        expected = _eagle_reference_tokens(
+            heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), draft.spec, 3
+        )
+    assert draft.tokens.tolist() == expected
+    assert draft.spec.size == 9 and drafter.length == 5
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_dynamic_tree_greedy_identity(arch, kind):
+    target = tiny_target(arch)
+    torch.manual_seed(1)
+    heads = build_heads(HeadsConfig.for_target(target.config, head_kind=kind))
+    model = SelfDraftModel(target, None, heads, tree="dynamic:depth=3,top_k=3,total_tokens=8")
+    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    out = model.generate(prompt, 30, stop_token_ids=[])
+    assert out.tokens == greedy_reference(target, prompt, 30)
+    assert out.stats.tree_tokens == 9 * out.stats.tree_passes
