@@ -18,7 +18,9 @@ from selfdraft.inference.tree import NAMED_TREES, TreeSpec
 
 logger = logging.getLogger(__name__)
 
-SHIPPED = "shipped"  # heads= default: the checkpoint shipped for an embedded target, if any
+SHIPPED = "shipped"
+TREE_FILE = "tree.yaml"  # optional, next to a heads checkpoint: the tree shape chosen for it
+DEFAULT_TREE = "small"  # heads= default: the checkpoint shipped for an embedded target, if any
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 TreeLike = TreeSpec | DynamicTree | str | Sequence[Sequence[int]]
@@ -39,6 +41,32 @@ def _parse_dynamic(text: str) -> DynamicTree:
     return DynamicTree(**values)
 
 
+def read_tree_file(path: Path) -> TreeSpec | DynamicTree:
+    """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, plus an
+    optional `description:` / `measured:` block; anything else is rejected."""
+    data = yaml.safe_load(path.read_text())
+    allowed = {"paths", "dynamic", "description", "measured"}
+    if not isinstance(data, dict) or set(data) - allowed or ("paths" in data) == ("dynamic" in data):
+        raise ValueError(f"{path}: a tree file holds exactly one of `paths:` or `dynamic:` (keys: {sorted(allowed)})")
+    if "dynamic" in data:
+        options = data["dynamic"]
+        if not isinstance(options, dict) or set(options) - DYNAMIC_KEYS:
+            raise ValueError(f"{path}: `dynamic:` takes {sorted(DYNAMIC_KEYS)}")
+        return DynamicTree(**options)
+    return TreeSpec.from_paths(data["paths"])
+
+
+def write_tree_file(path: Path, tree: TreeSpec | DynamicTree, description: str = "", measured: dict | None = None):
+    data: dict = {"description": description} if description else {}
+    if isinstance(tree, DynamicTree):
+        data["dynamic"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
+    else:
+        data["paths"] = [list(p) for p in tree.paths[1:]]
+    if measured:
+        data["measured"] = measured
+    path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
 def resolve_tree(tree: TreeLike) -> TreeSpec | DynamicTree:
     """A TreeSpec or DynamicTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a YAML file with
     `paths:`, or a list of rank paths."""
@@ -53,12 +81,7 @@ def resolve_tree(tree: TreeLike) -> TreeSpec | DynamicTree:
             return TreeSpec.chain(int(tree[6:]))
         path = Path(tree)
         if path.suffix in (".yaml", ".yml") and path.is_file():
-            data = yaml.safe_load(path.read_text())
-            if not isinstance(data, dict) or set(data) - {"paths", "description"} or "paths" not in data:
-                raise ValueError(
-                    f"{path}: a tree file holds `paths:` (list of rank lists) and optional `description:`"
-                )
-            return TreeSpec.from_paths(data["paths"])
+            return read_tree_file(path)
         raise ValueError(f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, or a YAML file")
     return TreeSpec.from_paths(tree)
 
@@ -101,7 +124,7 @@ class SelfDraftModel:
         target: str,
         heads: str | Path | HeadsConfig | None = SHIPPED,
         *,
-        tree: TreeLike = "small",
+        tree: TreeLike | None = None,
         head_kind: str = "eagle",
         attn_implementation: str = "sdpa",
         dtype: torch.dtype = torch.float32,
@@ -127,7 +150,9 @@ class SelfDraftModel:
             module.init_projection_from_target()
         else:
             module = load_heads(heads, model, dtype=dtype)
-        return cls(model, tokenizer, module, tree=tree)
+            if tree is None and (Path(heads) / TREE_FILE).is_file():
+                tree = str(Path(heads) / TREE_FILE)  # the shape tuned for these heads
+        return cls(model, tokenizer, module, tree=tree or DEFAULT_TREE)
 
     def default_stop_ids(self) -> list[int]:
         ids = self.target.generation_config.eos_token_id

@@ -176,6 +176,10 @@ def test_configs_in_repo_parse():
         load_run_config(path)
     for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
         assert "zero_optimization" in json.loads(path.read_text())
+    from selfdraft.inference.model import resolve_tree
+
+    trees = sorted((ROOT / "configs" / "trees").glob("*.yaml"))
+    assert trees and all(resolve_tree(str(path)).max_depth >= 1 for path in trees)
 
 
 def test_unknown_and_mistyped_keys_are_rejected(tmp_path):

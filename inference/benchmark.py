@@ -1,0 +1,94 @@
+"""Measuring speculative decoding against the target's own `generate`, side by side in one run.
+
+Only ratios measured in the same run mean anything on a shared machine: every comparison here runs
+the methods interleaved per prompt (A B A B ...) and reports medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from selfdraft.inference.decoding import GenerationOutput
+from selfdraft.inference.model import SelfDraftModel
+
+
+@dataclass
+class Timed:
+    tokens: list[int]
+    seconds: float
+
+
+@dataclass
+class Comparison:
+    """One prompt: baseline and speculative runs (repeats interleaved), and their outputs."""
+
+    baseline: list[Timed] = field(default_factory=list)
+    speculative: list[Timed] = field(default_factory=list)
+    outputs: list[GenerationOutput] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return all(s.tokens == self.baseline[0].tokens for s in self.speculative + self.baseline)
+
+    @property
+    def speedup(self) -> float:
+        """median baseline time / median speculative time (same tokens, same prompt, same run)."""
+        return statistics.median(b.seconds for b in self.baseline) / statistics.median(
+            s.seconds for s in self.speculative
+        )
+
+    @property
+    def tau(self) -> float:
+        return statistics.mean(o.stats.mean_accepted for o in self.outputs)
+
+    def tokens_per_second(self, which: str) -> float:
+        runs = self.baseline if which == "baseline" else self.speculative
+        return len(runs[0].tokens) / statistics.median(r.seconds for r in runs)
+
+
+@torch.no_grad()
+def run_baseline(model: SelfDraftModel, input_ids: torch.Tensor, max_new_tokens: int, **sampling) -> Timed:
+    """The target's own `generate` with the same stop tokens and budget (greedy unless told)."""
+    stop = model.default_stop_ids()
+    kwargs = {"do_sample": False}
+    if sampling.get("temperature", 0.0) > 0:
+        kwargs = {"do_sample": True, "temperature": sampling["temperature"]}
+        kwargs.update({k: sampling[k] for k in ("top_k", "top_p") if sampling.get(k) is not None})
+        if "top_k" not in kwargs:
+            kwargs["top_k"] = None
+    start = time.perf_counter()
+    out = model.target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop or None,
+        pad_token_id=stop[0] if stop else 0,
+        **kwargs,
+    )
+    seconds = time.perf_counter() - start
+    return Timed(out[0, input_ids.shape[1] :].tolist(), seconds)
+
+
+def run_speculative(
+    model: SelfDraftModel, input_ids: torch.Tensor, max_new_tokens: int, streamer=None, **sampling
+) -> tuple[Timed, GenerationOutput]:
+    start = time.perf_counter()
+    out = model.generate(input_ids, max_new_tokens, streamer=streamer, **sampling)
+    return Timed(out.tokens, time.perf_counter() - start), out
+
+
+def compare(
+    model: SelfDraftModel, input_ids: torch.Tensor, max_new_tokens: int, repeats: int = 1, streamer=None
+) -> Comparison:
+    """Greedy baseline and speculative decoding of one prompt, interleaved `repeats` times."""
+    result = Comparison()
+    for r in range(repeats):
+        result.baseline.append(run_baseline(model, input_ids, max_new_tokens))
+        timed, out = run_speculative(model, input_ids, max_new_tokens, streamer=streamer if r == 0 else None)
+        result.speculative.append(timed)
+        result.outputs.append(out)
+    return result
