@@ -16,8 +16,10 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +194,34 @@ def cache_hidden_states(
             raise ValueError(f"{out_dir} holds a cache of other data/layers/top-k; use a new out_dir")
     else:
         index_path.write_text(json.dumps(index, indent=1))
+    with _writer_lock(out_dir):
+        return _fill_shards(model, dataset, out_dir, index, lengths, layers, store_target_topk, batch_size)
+
+
+@contextmanager
+def _writer_lock(out_dir: Path):
+    """One writer per cache: a second process filling the same shards would race on them."""
+    lock = out_dir / "writer.lock"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        pid = lock.read_text().strip() or "?"
+        alive = pid.isdigit() and Path(f"/proc/{pid}").exists()
+        if alive:
+            raise RuntimeError(f"{out_dir} is being filled by process {pid}; wait for it or stop it") from None
+        lock.unlink()  # left by a killed writer
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _fill_shards(model, dataset, out_dir: Path, index: dict, lengths, layers, store_target_topk, batch_size):
+    for stale in out_dir.glob("*.tmp"):  # half-written shards of a killed writer
+        shutil.rmtree(stale, ignore_errors=True)
     todo = [s for s in index["shards"] if not (out_dir / s["name"]).is_dir()]
     with tqdm(total=sum(lengths), desc="cache features", unit="tok", unit_scale=True) as bar:
         bar.update(sum(lengths) - sum(s["tokens"] for s in todo))

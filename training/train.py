@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     if rank == 0:
         ckpt.write_meta(output_dir, meta)
         train, heldout = prepare_splits(config, tokenizer)
-        if config.data.feature_cache and not cache_ready(config) and world == 1:
+        if config.data.feature_cache and not config.data.partial_cache and not cache_ready(config) and world == 1:
             prepare_features(config, target, train)
     dist.barrier()
     if rank != 0:
