@@ -51,8 +51,16 @@ class Comparison:
 
 
 @torch.no_grad()
-def run_baseline(model: SelfDraftModel, input_ids: torch.Tensor, max_new_tokens: int, **sampling) -> Timed:
-    """The target's own `generate` with the same stop tokens and budget (greedy unless told)."""
+def run_baseline(
+    model: SelfDraftModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    generate_kwargs: dict | None = None,
+    **sampling,
+) -> Timed:
+    """The target's own `generate` with the same stop tokens and budget (greedy unless told).
+
+    generate_kwargs: extra `generate` options (prompt lookup, an assistant model)."""
     stop = model.default_stop_ids()
     kwargs = {"do_sample": False}
     if sampling.get("temperature", 0.0) > 0:
@@ -68,6 +76,7 @@ def run_baseline(model: SelfDraftModel, input_ids: torch.Tensor, max_new_tokens:
         eos_token_id=stop or None,
         pad_token_id=stop[0] if stop else 0,
         **kwargs,
+        **(generate_kwargs or {}),
     )
     seconds = time.perf_counter() - start
     return Timed(out[0, input_ids.shape[1] :].tolist(), seconds)

@@ -9,6 +9,7 @@ from importlib import import_module
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "generate": ("selfdraft.scripts.generate", "generate text with a target and draft heads"),
+    "bench": ("selfdraft.scripts.bench", "benchmark selfdraft against target generate and other methods"),
     "demo": ("selfdraft.scripts.demo", "stream answers with the shipped heads and measure the speedup"),
     "prepare": ("selfdraft.scripts.prepare", "render training data and cache target features"),
     "train": ("selfdraft.scripts.train", "train heads on a frozen target (DeepSpeed, via torchrun)"),

@@ -17,7 +17,7 @@ PROMPTS = [
     "What are three good habits for staying healthy?",
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain what a hash table is in two short paragraphs.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""',
 ]
 
 
@@ -37,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     kwargs = {"tree": args.tree} if args.tree else {}
     model = SelfDraftModel.from_pretrained(args.target, heads=args.heads or SHIPPED, **kwargs)
-    print(f"target {args.target} | heads {model.heads.config.head_kind} | tree {model.tree} | "
-          f"{torch.get_num_threads()} CPU threads\n")
+    print(
+        f"target {args.target} | heads {model.heads.config.head_kind} | tree {model.tree} | "
+        f"{torch.get_num_threads()} CPU threads\n"
+    )
     # warm-up: first calls pay one-off allocation costs that would distort the first ratio
     warm = model.chat_ids("Hi")
     compare(model, warm, 8)
@@ -57,8 +59,12 @@ def run(args: argparse.Namespace) -> int:
             f"{result.tokens_per_second('baseline'):.1f} tok/s plain | speedup {result.speedup:.2f}x | "
             f"identical to plain decoding: {'yes' if result.identical else 'NO'}]\n"
         )
-    print(f"median speedup {statistics.median(speedups):.2f}x over {len(PROMPTS)} prompts (same run, interleaved)")
-    print("all texts identical to the target's own greedy decoding" if identical else "MISMATCH: outputs differ")
+    print(
+        f"median speedup {statistics.median(speedups):.2f}x over {len(PROMPTS)} prompts (same run, interleaved)"
+    )
+    print(
+        "all texts identical to the target's own greedy decoding" if identical else "MISMATCH: outputs differ"
+    )
     return 0 if identical else 1
 
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from selfdraft.training.config import ConfigError, load_run_config
@@ -20,33 +19,6 @@ from tiny_models import greedy_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory):
-    """A tiny random Llama saved with the real SmolLM2 tokenizer (so the chat template is real)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from selfdraft.inference.target import resolve_target_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    path = tmp_path_factory.mktemp("tiny-target")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def write_config(tmp_path: Path, target: Path, stage: int = 1, **train) -> Path:

@@ -114,7 +114,8 @@ def _check_type(value, annotation, where: str):
     raise ConfigError(f"{where}: unsupported type {annotation}")
 
 
-def _build(cls, raw: dict, where: str):
+def build_dataclass(cls, raw: dict, where: str = ""):
+    """Instantiate dataclass `cls` from a mapping, recursively; unknown keys and wrong types are errors."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
@@ -126,7 +127,7 @@ def _build(cls, raw: dict, where: str):
     for name, value in raw.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value, f"{where}{name}.")
+            values[name] = build_dataclass(hint, value, f"{where}{name}.")
         else:
             values[name] = _check_type(value, hint, f"{where}{name}")
     return cls(**values)
@@ -137,7 +138,7 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     raw = yaml.safe_load(Path(path).read_text()) or {}
     for key, value in (overrides or {}).items():
         raw.setdefault(key, {}).update(value) if isinstance(value, dict) else raw.__setitem__(key, value)
-    config = _build(RunConfig, raw, "")
+    config = build_dataclass(RunConfig, raw)
     if config.heads.kind not in ("eagle", "medusa"):
         raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
     return config

@@ -1,0 +1,57 @@
+"""`selfdraft bench`: side-by-side benchmark -> JSON, Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="bench YAML (configs/bench/default.yaml)")
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--prompts", nargs="+", default=None, help="sharegpt:N humaneval:N file.jsonl")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="baseline prompt-lookup assisted:DRAFT selfdraft:HEADS[:TREE]",
+    )
+    parser.add_argument("--temperatures", nargs="+", type=float, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output-dir", default=None)
+
+
+def load_bench_config(args: argparse.Namespace):
+    from selfdraft.inference.bench import BenchConfig
+    from selfdraft.training.config import build_dataclass
+
+    raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    for key in (
+        "target",
+        "prompts",
+        "methods",
+        "temperatures",
+        "max_new_tokens",
+        "repeats",
+        "threads",
+        "output_dir",
+    ):
+        value = getattr(args, key)
+        if value is not None:
+            raw[key] = value
+    return build_dataclass(BenchConfig, raw or {})
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.inference.bench import run_bench, write_report
+
+    config = load_bench_config(args)
+    report = run_bench(config)
+    paths = write_report(report, config.output_dir)
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

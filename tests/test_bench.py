@@ -1,0 +1,59 @@
+"""`selfdraft bench` end to end on a tiny target: report structure and the identity cross-check."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+
+def test_bench_end_to_end(tmp_path, tiny_target_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"id": "a", "prompt": "Tell me a story."})
+        + "\n"
+        + json.dumps({"id": "b", "prompt": "def add(a, b):", "chat": False})
+        + "\n"
+    )
+    config = tmp_path / "bench.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "target": str(tiny_target_dir),
+                "prompts": [str(prompts)],
+                "methods": ["baseline", "prompt-lookup", "selfdraft:none", "selfdraft:none:chain-2"],
+                "temperatures": [0.0, 1.0],
+                "max_new_tokens": 12,
+                "repeats": 2,
+                "threads": 1,
+                "verify_curve": [1, 2, 4],
+                "output_dir": str(tmp_path / "out"),
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "selfdraft.scripts.cli", "bench", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    report = json.loads((out / "bench.json").read_text())
+    assert set(report) >= {"config", "machine", "runs", "summary", "verify_cost_seconds", "prompt_sets"}
+    assert len(report["runs"]) == 2 * 2 * 2 * 4  # prompts x temperatures x repeats x methods
+    # methods interleaved per prompt: A B C D A B C D ...
+    first = [r["method"] for r in report["runs"][:8]]
+    assert first == ["baseline", "prompt-lookup", "selfdraft:none", "selfdraft:none:chain-2"] * 2
+    greedy = [r for r in report["summary"] if r["temperature"] == 0.0]
+    assert {r["method"] for r in greedy} == set(first[:4])
+    assert all(r["identical_to_baseline"] for r in greedy)  # lossless methods match the baseline
+    spec = [r for r in report["summary"] if r["method"].startswith("selfdraft")]
+    assert all(r["tau"] >= 1.0 and r["per_depth_acceptance"] for r in spec)
+    assert all(r["draft_ms_per_step"] >= 0 and r["verify_ms_per_step"] > 0 for r in spec)
+    assert set(report["verify_cost_seconds"]) == {"1", "2", "4"}
+    table = (out / "bench.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == len(report["summary"]) + 1 and "bonus" in table  # header + one row each
+    for name in ("verify_cost.png", "acceptance_by_depth.png", "speedup_by_tree_size.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
