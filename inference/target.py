@@ -165,11 +165,33 @@ def load_target(
             f"4D attention mask, which only {ATTENTION_BACKENDS} honour"
         )
     path = resolve_target_path(name_or_path)
+    if (Path(path) / "adapter_config.json").is_file():
+        return _load_peft_target(path, attn_implementation, dtype, device, **hf_kwargs)
     config = AutoConfig.from_pretrained(path, **hf_kwargs)
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, attn_implementation=attn_implementation, **hf_kwargs
     )
     tokenizer = AutoTokenizer.from_pretrained(path, **hf_kwargs)
+    return prepare_target(model.to(device)), tokenizer
+
+
+def _load_peft_target(path: str, attn_implementation: str, dtype: torch.dtype, device, **hf_kwargs):
+    """A PEFT (e.g. LoRA) adapter folder: base model + adapter, merged into plain weights.
+
+    Merging keeps verification on the base architecture's own forward (4D masks, caches) and makes
+    the adapted model as fast as the base; the frozen target never needs the adapter unmerged.
+    """
+    try:
+        from peft import AutoPeftModelForCausalLM, PeftConfig
+    except ImportError as err:
+        raise ImportError(f"{path} is a PEFT adapter: pip install 'selfdraft[train]' (needs peft)") from err
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, **hf_kwargs
+    )
+    model = peft_model.merge_and_unload().to(device)
+    tokenizer_source = path if (Path(path) / "tokenizer_config.json").is_file() else resolve_target_path(base)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **hf_kwargs)
     return prepare_target(model), tokenizer
 
 

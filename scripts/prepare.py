@@ -11,7 +11,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
 
 
-def prepare_from_config(config_path: str, output_dir: str | None = None, batch_size: int = 8) -> None:
+def prepare_from_config(
+    config_path: str, output_dir: str | None = None, batch_size: int = 8, fill_cache: bool = True
+) -> None:
+    """Data splits, then the feature cache (unless `fill_cache` is False, e.g. a partial-cache run)."""
     from selfdraft.inference.target import load_target
     from selfdraft.training.config import load_run_config
     from selfdraft.training.prepare import cache_ready, prepare_features, prepare_splits
@@ -19,7 +22,7 @@ def prepare_from_config(config_path: str, output_dir: str | None = None, batch_s
     config = load_run_config(config_path, {"output_dir": output_dir} if output_dir else None)
     target, tokenizer = load_target(config.target)
     train, _ = prepare_splits(config, tokenizer)
-    if config.data.feature_cache and not cache_ready(config):
+    if fill_cache and config.data.feature_cache and not cache_ready(config):
         prepare_features(config, target, train, batch_size=batch_size)
 
 

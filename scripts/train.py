@@ -44,9 +44,11 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.scripts.prepare import prepare_from_config
+    from selfdraft.training.config import load_run_config
 
-    if args.node_rank == 0:
-        prepare_from_config(args.config, args.output_dir)
+    if args.node_rank == 0:  # once, before the ranks start: they then only read what it wrote
+        config = load_run_config(args.config)
+        prepare_from_config(args.config, args.output_dir, fill_cache=not config.data.partial_cache)
     cmd = torchrun_command(args)
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=os.environ.copy())

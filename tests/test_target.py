@@ -63,3 +63,29 @@ def test_local_folder_loads(tmp_path):
     loaded, _ = load_target(str(tmp_path), attn_implementation="eager")
     assert loaded.config.model_type == "qwen2" and loaded.config._attn_implementation == "eager"
     assert max_context(loaded) == 256
+
+
+def test_peft_lora_adapter_is_a_target(tmp_path, tiny_target_dir):
+    """A LoRA adapter on a base model loads as a frozen target (merged) and stays lossless."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from selfdraft.inference import SelfDraftModel
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 20, 30, 40]])
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    target, tokenizer = load_target(str(tmp_path / "adapter"))
+    assert not any(p.requires_grad for p in target.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(target(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    model = SelfDraftModel.from_pretrained(str(tmp_path / "adapter"), heads=None, tree="small")
+    prompt = model.chat_ids("Hi there")
+    from tiny_models import greedy_reference
+
+    assert model.generate(prompt, 12, stop_token_ids=[]).tokens == greedy_reference(model.target, prompt, 12)

@@ -1,0 +1,90 @@
+"""Choosing a tree for given heads on this machine.
+
+Expected speed of a tree = tau / (draft time + verify time of its size): tau and draft time are
+measured by generating with the heads on held-out prompts, the verify time comes from the measured
+verify-cost curve of the target. The tree with the highest expected tokens/s wins.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from selfdraft.inference.bench import verify_cost_curve
+from selfdraft.inference.dynamic_tree import DynamicTree
+from selfdraft.inference.model import SelfDraftModel, resolve_tree
+from selfdraft.inference.tree import TreeSpec
+
+CANDIDATES = [
+    "chain-1",
+    "chain-2",
+    "chain-3",
+    "chain-4",
+    "small",
+    "medium",
+    "dynamic:depth=3,top_k=3,total_tokens=6",
+    "dynamic:depth=4,top_k=4,total_tokens=10",
+    "dynamic:depth=5,top_k=4,total_tokens=16",
+]
+
+
+@dataclass
+class TreeScore:
+    tree: str
+    tau: float
+    tree_tokens: float
+    draft_s: float
+    verify_s: float
+    expected_tokens_per_s: float
+    measured_tokens_per_s: float
+
+
+def interpolate(curve: dict[int, float], size: float) -> float:
+    """Verify seconds for `size` tokens, log-linear between measured block sizes."""
+    sizes = sorted(curve)
+    if size <= sizes[0]:
+        return curve[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:], strict=False):
+        if size <= hi:
+            w = (math.log(size) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return curve[lo] + w * (curve[hi] - curve[lo])
+    return curve[sizes[-1]] * size / sizes[-1]
+
+
+def score_trees(
+    model: SelfDraftModel,
+    prompts: list[torch.Tensor],
+    candidates: list[str],
+    max_new_tokens: int = 64,
+    curve: dict[int, float] | None = None,
+) -> list[TreeScore]:
+    curve = curve or verify_cost_curve(model.target, [1, 2, 4, 8, 16, 32, 64])
+    runs: dict[str, list] = {c: [] for c in candidates}
+    shapes = {c: resolve_tree(c) for c in candidates}
+    for ids in prompts:
+        for c in candidates:  # interleaved per prompt
+            runs[c].append(model.generate(ids, max_new_tokens, tree=shapes[c]))
+    scores = []
+    for c, outs in runs.items():
+        passes = sum(o.stats.tree_passes for o in outs)
+        tau = sum(o.stats.mean_accepted * o.stats.tree_passes for o in outs) / max(1, passes)
+        size = sum(o.stats.tree_tokens for o in outs) / max(1, passes)
+        draft = sum(o.stats.draft_time for o in outs) / max(1, passes)
+        verify = interpolate(curve, size)
+        measured = statistics.median(len(o.tokens) / o.stats.total_time for o in outs)
+        scores.append(TreeScore(c, tau, size, draft, verify, tau / (draft + verify), measured))
+    return sorted(scores, key=lambda s: -s.expected_tokens_per_s)
+
+
+def tree_description(score: TreeScore) -> str:
+    return (
+        f"chosen by selfdraft tune: tau {score.tau:.2f}, {score.tree_tokens:.1f} tokens per pass, "
+        f"expected {score.expected_tokens_per_s:.1f} tok/s, measured {score.measured_tokens_per_s:.1f} tok/s"
+    )
+
+
+def as_shape(name: str) -> TreeSpec | DynamicTree:
+    return resolve_tree(name)

@@ -1,0 +1,51 @@
+"""`selfdraft publish`: a training run -> a heads folder with a model card; optionally upload it."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--run", required=True, help="training output_dir (holds heads/, log.jsonl, run.json)"
+    )
+    parser.add_argument("--config", required=True, help="the run config used to train")
+    parser.add_argument("--dest", required=True, help="folder to write, e.g. checkpoints/<target>-<kind>")
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--bench", default=None, help="bench.json measured for these heads")
+    parser.add_argument("--bench-command", default="", help="the command that produced --bench")
+    parser.add_argument("--tree", default=None, help="tree.yaml chosen by `selfdraft tune`")
+    parser.add_argument("--tokens", type=int, default=None, help="training tokens (default: from the cache)")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--push-to", default=None, help="Hugging Face repo id to upload to (needs network)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.training.config import load_run_config
+    from selfdraft.training.feature_cache import HiddenStateCache
+    from selfdraft.training.publish import publish, upload
+
+    config = load_run_config(args.config)
+    tokens = args.tokens
+    if tokens is None and config.data.feature_cache:
+        tokens = HiddenStateCache(
+            config.data.feature_cache, allow_partial=config.data.partial_cache
+        ).num_tokens
+    dest = publish(
+        args.run,
+        args.dest,
+        target=args.target,
+        config_path=args.config,
+        bench_json=args.bench,
+        tree_file=args.tree,
+        dtype=getattr(torch, args.dtype),
+        bench_command=args.bench_command,
+        train_command=f"selfdraft train --config {args.config}",
+        tokens=tokens,
+    )
+    print(f"wrote {dest}")
+    if args.push_to:
+        print(upload(dest, args.push_to))
+    return 0

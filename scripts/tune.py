@@ -1,0 +1,45 @@
+"""`selfdraft tune`: pick the tree that maximizes expected tokens/s for given heads on this machine,
+and save it as tree.yaml next to the heads (SelfDraftModel then uses it by default)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--heads", required=True, help="heads folder; tree.yaml is written into it")
+    parser.add_argument(
+        "--prompts", default="sharegpt:6", help="held-out prompt set (sharegpt:N, humaneval:N, .jsonl)"
+    )
+    parser.add_argument("--candidates", nargs="+", default=None, help="tree names to compare")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=None, help="where to write the tree file (default HEADS/tree.yaml)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.inference.model import TREE_FILE, SelfDraftModel, write_tree_file
+    from selfdraft.inference.prompts import load_prompt_set
+    from selfdraft.inference.tune import CANDIDATES, as_shape, score_trees, tree_description
+
+    model = SelfDraftModel.from_pretrained(args.target, heads=args.heads, tree="chain-1")
+    prompts = [
+        model.chat_ids(p.text) if p.chat else model.tokenizer(p.text, return_tensors="pt").input_ids
+        for p in load_prompt_set(args.prompts)
+    ]
+    scores = score_trees(model, prompts, args.candidates or CANDIDATES, args.max_new_tokens)
+    print(
+        f"{'tree':42s} {'tau':>5s} {'size':>5s} {'draft ms':>8s} {'verify ms':>9s} {'expected':>8s} {'measured':>8s}"
+    )
+    for s in scores:
+        print(
+            f"{s.tree:42s} {s.tau:5.2f} {s.tree_tokens:5.1f} {1000 * s.draft_s:8.1f} {1000 * s.verify_s:9.1f} "
+            f"{s.expected_tokens_per_s:8.1f} {s.measured_tokens_per_s:8.1f}"
+        )
+    best = scores[0]
+    out = Path(args.out) if args.out else Path(args.heads) / TREE_FILE
+    write_tree_file(out, as_shape(best.tree), tree_description(best), {k: v for k, v in asdict(best).items()})
+    print(f"chose {best.tree} -> {out}")
+    return 0

@@ -1,0 +1,182 @@
+"""Turn a training run into a publishable heads folder with a Hugging Face model card.
+
+The folder holds `config.json`, `model.safetensors` (fp16 by default), `tree.yaml` when a tree was
+tuned, the run config, and `README.md` whose numbers all come from files the run and the benchmark
+wrote (log.jsonl, bench.json): nothing in the card is typed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from selfdraft.heads.io import load_heads, save_heads
+from selfdraft.training.checkpoint import RUN_FILE
+
+BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+
+
+def run_summary(run_dir: Path) -> dict:
+    """Steps, wall time, world size, tokens and the last held-out evaluation, from log.jsonl."""
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    meta = json.loads((run_dir / RUN_FILE).read_text())
+    starts = [r for r in log if r.get("event") in ("start", "resume")]
+    done = [r for r in log if r.get("event") == "done"]
+    evals = [r for r in log if "eval_top1_by_depth" in r]
+    return {
+        "steps": max((r["step"] for r in log), default=0),
+        "train_seconds": sum(r.get("train_seconds", 0.0) for r in done),
+        "sessions": len(starts),
+        "world_size": meta["world_size"],
+        "examples": starts[0].get("examples") if starts else None,
+        "last_eval": evals[-1] if evals else None,
+        "throughput_tokens_per_s_per_rank": next(
+            (r["tokens_per_s_rank"] for r in reversed(log) if "tokens_per_s_rank" in r), None
+        ),
+    }
+
+
+def _bench_rows(bench: dict | None) -> list[dict]:
+    return [
+        r for r in (bench or {}).get("summary", []) if r.get("tau") is not None or r["method"] == "baseline"
+    ]
+
+
+def model_card(
+    *,
+    target: str,
+    kind: str,
+    config_text: str,
+    summary: dict,
+    tokens: int | None,
+    bench: dict | None,
+    bench_command: str,
+    train_command: str,
+    repo_path: str,
+) -> str:
+    base = BASE_MODELS.get(target, target)
+    lines = [
+        "---",
+        f"base_model: {base}",
+        "library_name: selfdraft",
+        "license: apache-2.0",
+        "datasets:",
+        f"- {DATASETS['sharegpt']}",
+        "tags: [speculative-decoding, eagle, medusa, draft-model]",
+        "---",
+        "",
+        f"# selfdraft {kind} heads for {target}",
+        "",
+        f"Draft heads for lossless speculative decoding of **{base}** with "
+        "selfdraft. The heads only change speed: greedy output is "
+        "token-identical to the target's own decoding and sampled output follows the target's distribution.",
+        "",
+        "## Load",
+        "",
+        "```python",
+        "from selfdraft.inference import SelfDraftModel",
+        f'm = SelfDraftModel.from_pretrained("{target}", heads="{repo_path}")',
+        'out = m.generate(m.chat_ids("Hello!"), max_new_tokens=64)',
+        "```",
+        "",
+        "## Training",
+        "",
+        f"- Target: `{target}` ({base}), frozen; heads kind: {kind}.",
+        f"- Data: ShareGPT conversations (held-out split excluded), rendered with the target's chat template; "
+        f"labels are the target's own next-token distribution. Tokens seen in the feature cache: "
+        f"{tokens if tokens is not None else 'unknown'}; examples: {summary['examples']}.",
+        f"- Command: `{train_command}`",
+        f"- Steps: {summary['steps']}, world size {summary['world_size']}, wall time "
+        f"{summary['train_seconds'] / 60:.1f} min over {summary['sessions']} session(s) (2-core CPU, fp32).",
+    ]
+    if summary["last_eval"]:
+        e = summary["last_eval"]
+        acc = ", ".join(f"{a:.3f}" for a in e["eval_top1_by_depth"])
+        lines.append(
+            f"- Held-out top-1 agreement with the target by depth: {acc}; simulated chain tau "
+            f"{e['eval_simulated_tau_chain']:.2f}."
+        )
+    lines += ["", "Run config:", "", "```yaml", config_text.strip(), "```", "", "## Measured"]
+    rows = _bench_rows(bench)
+    if rows:
+        lines += [
+            "",
+            f"Command: `{bench_command}`",
+            "",
+            "| prompts | method | T | tau | tok/s | speedup vs target generate | identical (T=0) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
+            same = (
+                "-" if "identical_to_baseline" not in r else ("yes" if r["identical_to_baseline"] else "NO")
+            )
+            lines.append(
+                f"| {r['prompts']} | {r['method']} | {r['temperature']:g} | {tau} | "
+                f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {same} |"
+            )
+        lines += [
+            "",
+            "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
+            "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
+        ]
+    else:
+        lines += ["", "No benchmark was recorded for this checkpoint."]
+    return "\n".join(lines) + "\n"
+
+
+def publish(
+    run_dir: str | Path,
+    dest: str | Path,
+    *,
+    target: str,
+    config_path: str | Path,
+    bench_json: str | Path | None,
+    tree_file: str | Path | None = None,
+    dtype: torch.dtype = torch.float16,
+    bench_command: str = "",
+    train_command: str = "",
+    tokens: int | None = None,
+    repo_path: str | None = None,
+) -> Path:
+    run_dir, dest = Path(run_dir), Path(dest)
+    heads = load_heads(run_dir / "heads")
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_heads(heads, tmp, dtype=dtype)
+    config_text = Path(config_path).read_text()
+    (tmp / "training_config.yaml").write_text(config_text)
+    if tree_file:
+        shutil.copy(tree_file, tmp / "tree.yaml")
+    bench = json.loads(Path(bench_json).read_text()) if bench_json else None
+    (tmp / "README.md").write_text(
+        model_card(
+            target=target,
+            kind=heads.config.head_kind,
+            config_text=config_text,
+            summary=run_summary(run_dir),
+            tokens=tokens,
+            bench=bench,
+            bench_command=bench_command,
+            train_command=train_command,
+            repo_path=repo_path or str(dest),
+        )
+    )
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
+
+
+def upload(folder: str | Path, repo_id: str) -> str:
+    """Push a published folder to the Hugging Face Hub (needs network and a token)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id)
+    return str(info)
