@@ -4,15 +4,13 @@ import math
 
 import pytest
 import torch
-from test_kv_and_drafting import _eagle_reference_tokens
 
 from selfdraft.heads import HeadsConfig, build_heads
-from selfdraft.inference import SelfDraftModel, kv
-from selfdraft.inference.drafting import EagleDrafter
+from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.dynamic_tree import DynamicTree, grow, select_tree
 from selfdraft.inference.model import resolve_tree
-from selfdraft.inference.verify import prefill
 
+from reference_heads import eagle_after_prompt, reference_tokens
 from tiny_models import greedy_reference, tiny_target
 
 
@@ -74,22 +72,11 @@ def test_resolve_dynamic_names():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_eagle_dynamic_draft_matches_recomputation(arch):
-    torch.manual_seed(0)
-    target = tiny_target(arch)
-    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.2)
-    prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(3))
-    cache = kv.new_cache()
-    passed = prefill(target, prompt, cache)
-    root = int(passed.logits[-1].argmax())
-    drafter = EagleDrafter(heads)
-    drafter.observe(torch.cat([prompt[0, 1:], torch.tensor([root])]), passed.hidden_states, torch.arange(5))
+    heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=3)
     with torch.no_grad():
         draft = drafter.draft(root, DynamicTree(depth=3, top_k=3, total_tokens=8))
         # the dynamic tree's nodes are exactly what the head proposes along each path (ranks included)
-        expected = _eagle_reference_tokens(
+        expected = reference_tokens(
             heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), draft.spec, 3
         )
     assert draft.tokens.tolist() == expected

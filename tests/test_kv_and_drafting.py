@@ -5,10 +5,11 @@ import torch
 
 from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import kv
-from selfdraft.inference.drafting import EagleDrafter, MedusaDrafter
+from selfdraft.inference.drafting import MedusaDrafter
 from selfdraft.inference.tree import NAMED_TREES, TreeSpec
 from selfdraft.inference.verify import prefill, verify_tree
 
+from reference_heads import eagle_after_prompt, reference_tokens
 from tiny_models import tiny_target
 
 SPEC = TreeSpec.from_paths([(0, 0, 0), (0, 1), (1, 0), (2,)])
@@ -45,48 +46,13 @@ def test_crop_and_errors():
         kv.crop(cache, 9)
 
 
-def _eagle_reference_tokens(head, prompt_tokens, root, feats, spec, k) -> list[int]:
-    """Recompute every node's token by running the head on each root-to-node path, with no cache."""
-    expected_tokens = {0: root}
-    for u in range(spec.size):
-        if not spec.children[u]:
-            continue
-        path_nodes = spec.path_to(u)
-        toks, fs = list(prompt_tokens[1:]) + [root], list(feats)
-        out_feature = None
-        # consume the prompt pairs, then each path node fed with its parent's predicted feature
-        for step in range(len(path_nodes)):
-            if step > 0:
-                toks.append(expected_tokens[path_nodes[step]])
-                fs.append(out_feature)
-            ids = torch.tensor(toks)[None]
-            f = torch.stack(fs)[None]
-            pos = torch.arange(len(toks))[None]
-            out_feature = head(ids, f, position_ids=pos)[0, -1]
-        ranked = torch.topk(head.logits(out_feature), k).indices
-        for c in spec.children[u]:
-            expected_tokens[c] = int(ranked[spec.ranks[c]])
-    return [expected_tokens[i] for i in range(spec.size)]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
 @pytest.mark.parametrize("spec", [NAMED_TREES["small"], TreeSpec.chain(4)], ids=["small", "chain"])
 def test_eagle_tree_drafting_matches_cache_free_recomputation(arch, spec):
-    torch.manual_seed(0)
-    target = tiny_target(arch)
-    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.2)
-    prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))
-    cache = kv.new_cache()
-    passed = prefill(target, prompt, cache)
-    root = int(passed.logits[-1].argmax())
-    drafter = EagleDrafter(heads)
-    drafter.observe(torch.cat([prompt[0, 1:], torch.tensor([root])]), passed.hidden_states, torch.arange(5))
+    heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=2)
     with torch.no_grad():
         draft = drafter.draft(root, spec)
-        expected = _eagle_reference_tokens(
+        expected = reference_tokens(
             heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 4
         )
     assert draft.tokens.tolist() == expected

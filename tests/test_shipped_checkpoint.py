@@ -1,0 +1,51 @@
+"""The heads shipped in checkpoints/ for the embedded SmolLM2 target: loadable in one line, lossless,
+and a regression guard on their acceptance length (not a timing)."""
+
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_file
+
+from selfdraft.inference import SelfDraftModel
+from selfdraft.inference.model import shipped_heads_dir
+
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-eagle"
+PROMPTS = [
+    "How do I make a cup of tea?",
+    "Write a Python function that returns the largest element of a list.",
+    "What is the difference between a list and a tuple in Python?",
+]
+# tau measured on these prompts when the checkpoint was published (see the model card); the floor
+# sits below it so only a real regression (broken drafting or loading) trips it.
+TAU_FLOOR = 1.3
+
+
+def test_folder_is_a_model_card_checkpoint():
+    assert shipped_heads_dir("smollm2-135m-instruct") == SHIPPED
+    names = {p.name for p in SHIPPED.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md"} <= names
+    assert (SHIPPED / "model.safetensors").stat().st_size < 32 * 2**20
+    state = load_file(SHIPPED / "model.safetensors")
+    assert not any(name.startswith(("model.", "lm_head.weight")) and v.shape[0] == 49152 for name, v in state.items())
+    card = (SHIPPED / "README.md").read_text()
+    header = yaml.safe_load(card.split("---")[1])
+    assert header["library_name"] == "selfdraft" and header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert header["license"] and header["datasets"]
+    for fact in ("selfdraft train --config", "Steps:", "tau", "speedup"):
+        assert fact in card
+
+
+def test_shipped_heads_are_default_lossless_and_accept(smollm):
+    target, tokenizer = smollm
+    model = SelfDraftModel.from_pretrained("smollm2-135m-instruct")  # no heads= -> the shipped heads
+    assert model.heads.config.head_kind == "eagle"
+    taus = []
+    for prompt in PROMPTS:
+        ids = model.chat_ids(prompt)
+        ref = target.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1] :].tolist()
+        out = model.generate(ids, 40)
+        assert out.tokens == ref
+        taus.append(out.stats.mean_accepted)
+    assert sum(taus) / len(taus) >= TAU_FLOOR, taus
+    fresh = SelfDraftModel.from_pretrained("smollm2-135m-instruct", heads=None)  # None still means fresh
+    assert fresh.heads.config.draft_vocab_size is None
