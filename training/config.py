@@ -61,6 +61,7 @@ class ScheduleSection:
     eval_every: int = 200
     log_every: int = 10
     eval_examples: int = 64
+    eval_tree: str = "small"  # tree whose acceptance length evaluation simulates (besides a chain)
     keep_checkpoints: int = 2
 
 

@@ -208,7 +208,9 @@ def _writer_lock(out_dir: Path):
         pid = lock.read_text().strip() or "?"
         alive = pid.isdigit() and Path(f"/proc/{pid}").exists()
         if alive:
-            raise RuntimeError(f"{out_dir} is being filled by process {pid}; wait for it or stop it") from None
+            raise RuntimeError(
+                f"{out_dir} is being filled by process {pid}; wait for it or stop it"
+            ) from None
         lock.unlink()  # left by a killed writer
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     os.write(fd, str(os.getpid()).encode())

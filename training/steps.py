@@ -18,14 +18,15 @@ from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.inference import kv
 from selfdraft.training.objectives import forward_kl, ttt_weights
+from selfdraft.training.simulate import DepthRanks, label_ranks
 
 
 @dataclass
 class StepOutput:
     loss: torch.Tensor
     metrics: dict[str, float]
-    # per depth j: (correct [B, T'] bool, valid [B, T'] bool) of draft argmax vs target argmax
-    depth_hits: list[tuple[torch.Tensor, torch.Tensor]]
+    # per depth: rank of the target's greedy token among the draft logits (see simulate.py)
+    depths: list[DepthRanks]
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
@@ -69,6 +70,7 @@ def eagle_step(
     ttt_decay: float,
     feature_weight: float,
     ce_weight: float,
+    exact_labels: bool = False,
 ) -> StepOutput:
     """input_ids, loss_mask: [B, T]; hidden: the target's output_hidden_states as a list of [B, T, h]
     (None for layers not needed); hidden[-1] (post-norm, the target's logits come from it) is required."""
@@ -85,6 +87,8 @@ def eagle_step(
     valid[:, :-1] = loss_mask[:, 2:].bool()
     positions = torch.arange(n, device=input_ids.device)[None].expand(B, n)
     weights = ttt_weights(ttt_steps, ttt_decay)
+    with torch.no_grad():
+        greedy = _greedy_target_ids(labels, feature_targets, heads, lm_head_weight, exact_labels)
     cache = kv.new_cache() if ttt_steps > 1 else None
     loss = torch.zeros((), device=input_ids.device)
     metrics: dict[str, float] = {}
@@ -103,11 +107,11 @@ def eagle_step(
         loss = loss + weights[j] * (ce_weight * kl + feature_weight * feat)
         metrics[f"kl_{j}"] = float(kl.detach())
         with torch.no_grad():
-            hits.append((logits.argmax(-1) == labels.argmax(-1), v))
+            hits.append(DepthRanks(label_ranks(logits, greedy, heads.draft_vocab), v, offset=j))
         # next step reads this step's prediction at the previous position
         feats = torch.cat([f_in[:, :1], out[:, :-1]], dim=1)
     metrics["loss"] = float(loss.detach())
-    return StepOutput(loss=loss, metrics=metrics, depth_hits=hits)
+    return StepOutput(loss=loss, metrics=metrics, depths=hits)
 
 
 def medusa_step(
@@ -118,6 +122,7 @@ def medusa_step(
     lm_head_weight: torch.Tensor,
     *,
     decay: float,
+    exact_labels: bool = False,
 ) -> StepOutput:
     """Head k at position t is trained towards the target's distribution at t+k+1 (predicting x_{t+k+2})."""
     last = hidden[-1]
@@ -141,30 +146,20 @@ def medusa_step(
         loss = loss + decay**k * kl
         metrics[f"kl_{k}"] = float(kl.detach())
         with torch.no_grad():
-            hits.append((logits.argmax(-1) == target.argmax(-1), v))
+            greedy = _greedy_target_ids(target, last[:, shift:], heads, lm_head_weight, exact_labels)
+            hits.append(DepthRanks(label_ranks(logits, greedy, heads.draft_vocab), v, offset=0))
     metrics["loss"] = float(loss.detach())
-    return StepOutput(loss=loss, metrics=metrics, depth_hits=hits)
+    return StepOutput(loss=loss, metrics=metrics, depths=hits)
 
 
-def simulated_chain_tau(depth_hits: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float]:
-    """Per-depth top-1 accuracy and the simulated acceptance length of a chain (bonus counted).
+def _greedy_target_ids(labels, features_last, heads, lm_head_weight, exact: bool) -> torch.Tensor:
+    """The target's greedy next token as a target id [B, T'].
 
-    For base position b, depth j's draft lives at index b + j of hits[j]; the chain accepts while
-    every depth so far was correct. Teacher-forced on the text's tokens: exact for text the target
-    itself would produce greedily (self-distilled data), an estimate otherwise.
-    """
-    accs = [float(h[v].float().mean()) if v.any() else 0.0 for h, v in depth_hits]
-    if not depth_hits:
-        return accs, 1.0
-    h0, v0 = depth_hits[0]
-    run = v0 & h0
-    total = run.float()
-    for j, (h, v) in enumerate(depth_hits[1:], start=1):
-        shifted_h = torch.zeros_like(h0)
-        shifted_v = torch.zeros_like(v0)
-        shifted_h[:, : h.shape[1] - j] = h[:, j:]
-        shifted_v[:, : v.shape[1] - j] = v[:, j:]
-        run = run & shifted_h & shifted_v
-        total = total + run.float()
-    base = v0.float().sum().clamp(min=1)
-    return accs, 1.0 + float((total * v0).sum() / base)
+    exact=False takes the argmax over the heads' vocabulary (free: the labels are already there);
+    exact=True recomputes it over the full target vocabulary (evaluation), so a greedy token that
+    the draft vocabulary lacks counts as a miss instead of being silently replaced."""
+    if exact:
+        return (features_last @ lm_head_weight.T).argmax(-1)
+    ids = labels.argmax(-1)
+    vocab = getattr(heads, "draft_vocab", None)
+    return vocab.to_target(ids) if vocab is not None else ids

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from selfdraft.heads import HeadsConfig, build_heads, load_heads
+from selfdraft.inference.model import resolve_tree
 from selfdraft.inference.target import load_target
+from selfdraft.inference.tree import TreeSpec
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.batches import SampleStream, collate
 from selfdraft.training.config import RunConfig, load_run_config
@@ -28,7 +30,8 @@ from selfdraft.training.distributed import init_distributed
 from selfdraft.training.feature_cache import HiddenStateCache, compute_features
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
 from selfdraft.training.prepare import cache_ready, feature_layers, prepare_features, prepare_splits
-from selfdraft.training.steps import StepOutput, eagle_step, medusa_step, simulated_chain_tau
+from selfdraft.training.simulate import simulated_tau
+from selfdraft.training.steps import StepOutput, eagle_step, medusa_step
 
 EVAL_DEPTHS = 4
 
@@ -98,13 +101,21 @@ def hidden_list(features: dict[int, torch.Tensor], num_layers: int) -> list[torc
     return out
 
 
-def run_step(config: RunConfig, heads, batch: dict, target, ttt_steps: int | None = None) -> StepOutput:
+def run_step(
+    config: RunConfig, heads, batch: dict, target, ttt_steps: int | None = None, exact_labels: bool = False
+) -> StepOutput:
     hidden = hidden_list(batch["features"], target.config.num_hidden_layers)
     lm_head_weight = target.get_output_embeddings().weight
     t = config.train
     if config.heads.kind == "medusa":
         return medusa_step(
-            heads, batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, decay=t.medusa_decay
+            heads,
+            batch["input_ids"],
+            batch["loss_mask"],
+            hidden,
+            lm_head_weight,
+            decay=t.medusa_decay,
+            exact_labels=exact_labels,
         )
     return eagle_step(
         heads,
@@ -116,6 +127,7 @@ def run_step(config: RunConfig, heads, batch: dict, target, ttt_steps: int | Non
         ttt_decay=t.ttt_decay,
         feature_weight=t.feature_weight,
         ce_weight=t.ce_weight,
+        exact_labels=exact_labels,
     )
 
 
@@ -137,25 +149,25 @@ def evaluate(config: RunConfig, heads, heldout, target, layers, device) -> dict:
         return {}
     was_training = heads.training
     heads.eval()
-    hits: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    tree = resolve_tree(config.schedule.eval_tree)
+    chain = TreeSpec.chain(EVAL_DEPTHS)
+    results: list[tuple[list[float], float, float]] = []
     losses = []
     for at in range(0, len(rows), config.train.micro_batch_size):
         batch = with_features(collate(rows[at : at + config.train.micro_batch_size]), target, layers, device)
-        out = run_step(config, heads, batch, target, ttt_steps=max(EVAL_DEPTHS, config.train.ttt_steps))
+        depth = max(EVAL_DEPTHS, tree.max_depth, config.train.ttt_steps)
+        out = run_step(config, heads, batch, target, ttt_steps=depth, exact_labels=True)
         losses.append(out.metrics["loss"])
-        hits.append(out.depth_hits)
+        accs, chain_tau = simulated_tau(out.depths, chain)
+        results.append((accs, chain_tau, simulated_tau(out.depths, tree)[1]))
     heads.train(was_training)
-    accs = [[] for _ in hits[0]]
-    taus = []
-    for per_batch in hits:
-        batch_accs, tau = simulated_chain_tau(per_batch)
-        taus.append(tau)
-        for j, a in enumerate(batch_accs):
-            accs[j].append(a)
+    n = len(results)
     return {
         "eval_loss": sum(losses) / len(losses),
-        "eval_top1_by_depth": [sum(a) / len(a) for a in accs],
-        "eval_simulated_tau_chain": sum(taus) / len(taus),
+        "eval_top1_by_depth": [sum(r[0][j] for r in results) / n for j in range(len(results[0][0]))],
+        "eval_simulated_tau_chain": sum(r[1] for r in results) / n,
+        "eval_simulated_tau_tree": sum(r[2] for r in results) / n,
+        "eval_tree": config.schedule.eval_tree,
     }
 
 
@@ -210,7 +222,12 @@ def main(argv=None) -> int:
     if rank == 0:
         ckpt.write_meta(output_dir, meta)
         train, heldout = prepare_splits(config, tokenizer)
-        if config.data.feature_cache and not config.data.partial_cache and not cache_ready(config) and world == 1:
+        if (
+            config.data.feature_cache
+            and not config.data.partial_cache
+            and not cache_ready(config)
+            and world == 1
+        ):
             prepare_features(config, target, train)
     dist.barrier()
     if rank != 0:
@@ -276,7 +293,7 @@ def main(argv=None) -> int:
             tokens_seen += int(batch["attention_mask"].sum())
             metrics = out.metrics
         step += 1
-        accs, tau = simulated_chain_tau(out.depth_hits)
+        accs, _ = simulated_tau(out.depths, TreeSpec.chain(len(out.depths)))
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{accs[0] if accs else 0:.2f}")
         bar.update(1)
         if step % config.schedule.log_every == 0 or step == total:
