@@ -150,6 +150,11 @@ def test_configs_in_repo_parse():
         assert "zero_optimization" in json.loads(path.read_text())
     from selfdraft.inference.model import resolve_tree
 
+    from selfdraft.inference.bench import BenchConfig
+    from selfdraft.training.config import build_dataclass
+
+    for path in sorted((ROOT / "configs" / "bench").glob("*.yaml")):
+        build_dataclass(BenchConfig, yaml.safe_load(path.read_text()))
     trees = sorted((ROOT / "configs" / "trees").glob("*.yaml"))
     assert trees and all(resolve_tree(str(path)).max_depth >= 1 for path in trees)
 
