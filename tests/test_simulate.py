@@ -42,3 +42,10 @@ def test_invalid_positions_stop_the_walk_and_medusa_offsets():
     d1 = _depth([0, 0], 0)  # Medusa: every head reads the base position
     _, tau = simulated_tau([d0, d1], TreeSpec.chain(2))
     assert tau == 1 + 2  # only base 0 counts, and both its heads are right
+
+
+def test_depths_of_different_lengths():
+    d0 = _depth([0, 0, 0], 0)
+    d1 = _depth([0, 1], 0)  # a later Medusa head has fewer positions
+    _, tau = simulated_tau([d0, d1], TreeSpec.chain(2))
+    assert abs(tau - (1 + (2 + 1 + 1) / 3)) < 1e-6

@@ -148,9 +148,8 @@ def test_configs_in_repo_parse():
         load_run_config(path)
     for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
         assert "zero_optimization" in json.loads(path.read_text())
-    from selfdraft.inference.model import resolve_tree
-
     from selfdraft.inference.bench import BenchConfig
+    from selfdraft.inference.model import resolve_tree
     from selfdraft.training.config import build_dataclass
 
     for path in sorted((ROOT / "configs" / "bench").glob("*.yaml")):
@@ -179,3 +178,33 @@ def test_deepspeed_private_hook_still_exists():
     from selfdraft.training.distributed import DEEPSPEED_SHM_HOOK
 
     assert hasattr(importlib.import_module("deepspeed.comm.torch"), DEEPSPEED_SHM_HOOK)
+
+
+def test_single_process_medusa_run(tmp_path, tiny_target_dir):
+    """The same worker in one plain process, for Medusa heads with Medusa-1's hard labels."""
+    config = write_config(tmp_path, tiny_target_dir, max_steps=6, medusa_hard_labels=True)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["heads"] = {"kind": "medusa", "medusa_num_heads": 3}
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    log = read_log(run)
+    assert json.loads((run / "ranks" / "rank0.json").read_text())["world_size"] == 1
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 6 and all(x == x and x > 0 for x in losses)
+    evals = [r for r in log if "eval_simulated_tau_tree" in r]
+    assert evals and len(evals[-1]["eval_top1_by_depth"]) == 3  # one per Medusa head
+
+    from selfdraft.inference import SelfDraftModel
+
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=run / "heads", tree="chain-3")
+    assert model.heads.num_heads == 3
+    prompt = model.chat_ids("Hello")
+    assert model.generate(prompt, 10, stop_token_ids=[]).tokens == greedy_reference(model.target, prompt, 10)

@@ -52,6 +52,7 @@ class TrainSection:
     feature_weight: float = 0.1  # SmoothL1 on predicted features (EAGLE-1); 0 disables
     ce_weight: float = 1.0  # soft CE / forward KL against the target's distribution
     medusa_decay: float = 0.8
+    medusa_hard_labels: bool = False  # CE on the text tokens (Medusa-1) instead of the target's distribution
     seed: int = 0
 
 

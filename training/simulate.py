@@ -66,7 +66,7 @@ def simulated_tau(depths: list[DepthRanks], spec: TreeSpec) -> tuple[list[float]
     for j, d in enumerate(depths[: spec.max_depth]):
         ranks = torch.full((B, T), MISS, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
-        span = T - d.offset
+        span = min(T, d.ranks.shape[1] - d.offset)  # depths may be shorter (Medusa head k: T - k - 1)
         if span > 0:
             ranks[:, :span] = d.ranks[:, d.offset : d.offset + span]
             valid[:, :span] = d.valid[:, d.offset : d.offset + span]

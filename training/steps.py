@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.inference import kv
-from selfdraft.training.objectives import forward_kl, ttt_weights
+from selfdraft.training.objectives import eagle_loss, forward_kl, medusa_loss, ttt_weights
 from selfdraft.training.simulate import DepthRanks, label_ranks
 
 
@@ -89,6 +88,7 @@ def eagle_step(
     weights = ttt_weights(ttt_steps, ttt_decay)
     with torch.no_grad():
         greedy = _greedy_target_ids(labels, feature_targets, heads, lm_head_weight, exact_labels)
+        target_probs = torch.softmax(labels.float(), dim=-1)
     cache = kv.new_cache() if ttt_steps > 1 else None
     loss = torch.zeros((), device=input_ids.device)
     metrics: dict[str, float] = {}
@@ -100,12 +100,9 @@ def eagle_step(
         logits = heads.logits(out)
         v = valid.clone()
         v[:, :j] = False
-        kl = forward_kl(logits, labels, v)
-        feat = (F.smooth_l1_loss(out, feature_targets, reduction="none").mean(-1) * v).sum() / v.sum().clamp(
-            min=1
-        )
-        loss = loss + weights[j] * (ce_weight * kl + feature_weight * feat)
-        metrics[f"kl_{j}"] = float(kl.detach())
+        terms = eagle_loss(out, feature_targets, logits, target_probs, v, feature_weight, ce_weight)
+        loss = loss + weights[j] * terms.loss
+        metrics[f"ce_{j}"] = float(terms.ce.detach())
         with torch.no_grad():
             hits.append(DepthRanks(label_ranks(logits, greedy, heads.draft_vocab), v, offset=j))
         # next step reads this step's prediction at the previous position
@@ -122,9 +119,11 @@ def medusa_step(
     lm_head_weight: torch.Tensor,
     *,
     decay: float,
+    hard_labels: bool = False,
     exact_labels: bool = False,
 ) -> StepOutput:
-    """Head k at position t is trained towards the target's distribution at t+k+1 (predicting x_{t+k+2})."""
+    """Head k at position t is trained towards the target's distribution at t+k+1 (predicting x_{t+k+2}),
+    or with hard_labels towards the text token x_{t+k+2} itself (Medusa-1's per-head CE)."""
     last = hidden[-1]
     B, T = input_ids.shape
     K = heads.num_heads
@@ -134,6 +133,13 @@ def medusa_step(
     metrics: dict[str, float] = {}
     hits = []
     feats = last
+    if hard_labels:
+        if heads.draft_vocab is not None:
+            raise ValueError(
+                "hard-label Medusa training needs heads over the full vocabulary (no draft vocab)"
+            )
+        loss, per_head = medusa_loss(heads.logits(last), input_ids, loss_mask, decay)
+        metrics.update({f"ce_{k}": float(c) for k, c in enumerate(per_head)})
     for k in range(K):
         shift = k + 1
         if shift + 1 >= T:
@@ -142,9 +148,10 @@ def medusa_step(
         target = labels[:, shift:]
         v = torch.zeros(B, T - shift, dtype=torch.bool, device=input_ids.device)
         v[:, : T - shift - 1] = loss_mask[:, shift + 1 :].bool()
-        kl = forward_kl(logits, target, v)
-        loss = loss + decay**k * kl
-        metrics[f"kl_{k}"] = float(kl.detach())
+        if not hard_labels:
+            kl = forward_kl(logits, target, v)
+            loss = loss + decay**k * kl
+            metrics[f"kl_{k}"] = float(kl.detach())
         with torch.no_grad():
             greedy = _greedy_target_ids(target, last[:, shift:], heads, lm_head_weight, exact_labels)
             hits.append(DepthRanks(label_ranks(logits, greedy, heads.draft_vocab), v, offset=0))

@@ -115,6 +115,7 @@ def run_step(
             hidden,
             lm_head_weight,
             decay=t.medusa_decay,
+            hard_labels=t.medusa_hard_labels,
             exact_labels=exact_labels,
         )
     return eagle_step(

@@ -1,0 +1,33 @@
+"""`selfdraft distill`: self-distillation data - the target rewrites the assistant turns of a source.
+
+The JSONL it writes (resumable: rerun the same command after a kill) is a training source as is:
+list it under `data.sources` in a run config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--source", default="sharegpt:200", help="sharegpt[:N], a JSONL file or a dataset")
+    parser.add_argument("--out", required=True, help="JSONL file to append regenerated conversations to")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.inference.target import load_target
+    from selfdraft.training.data import regenerate_assistant_turns
+    from selfdraft.training.sources import load_source
+
+    target, tokenizer = load_target(args.target)
+    records = [r for r in load_source(args.source) if "messages" in r]
+    if not records:
+        raise SystemExit(f"{args.source} has no chat records to regenerate")
+    out = regenerate_assistant_turns(
+        target, tokenizer, records, args.out, args.max_new_tokens, args.batch_size
+    )
+    print(f"wrote {out}")
+    return 0
