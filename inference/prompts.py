@@ -58,13 +58,20 @@ def user_jsonl(path: str, limit: int) -> list[Prompt]:
 
 
 def load_prompt_set(spec: str) -> list[Prompt]:
-    """`sharegpt:N`, `humaneval:N`, or `path/to/file.jsonl[:N]`."""
-    name, _, count = spec.rpartition(":") if spec.rsplit(":", 1)[-1].isdigit() else (spec, "", "")
-    limit = int(count) if count else 10**9
+    """`sharegpt:N`, `humaneval:N`, `path/to/file.jsonl[:N]`; append `:skip=K` to drop the first K
+    (e.g. tune on prompts a benchmark does not use)."""
+    parts = spec.split(":")
+    skip = 0
+    if parts[-1].startswith("skip="):
+        skip = int(parts.pop()[5:])
+    limit = int(parts.pop()) if len(parts) > 1 and parts[-1].isdigit() else 10**9
+    name = ":".join(parts)
     if name == "sharegpt":
-        return sharegpt_heldout(limit)
-    if name == "humaneval":
-        return humaneval(limit)
-    if name.endswith(".jsonl"):
-        return user_jsonl(name, limit)
-    raise ValueError(f"unknown prompt set {spec!r}: use sharegpt:N, humaneval:N or a .jsonl file")
+        prompts = sharegpt_heldout(limit + skip)
+    elif name == "humaneval":
+        prompts = humaneval(limit + skip)
+    elif name.endswith(".jsonl"):
+        prompts = user_jsonl(name, limit + skip)
+    else:
+        raise ValueError(f"unknown prompt set {spec!r}: use sharegpt:N, humaneval:N or a .jsonl file")
+    return prompts[skip:]

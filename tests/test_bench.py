@@ -57,3 +57,21 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
     assert len(rows) == len(report["summary"]) + 1 and "bonus" in table  # header + one row each
     for name in ("verify_cost.png", "acceptance_by_depth.png", "speedup_by_tree_size.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prompt_sets(tmp_path):
+    import pytest
+
+    from selfdraft.inference.prompts import load_prompt_set
+
+    humaneval = load_prompt_set("humaneval:4")
+    assert len(humaneval) == 4 and humaneval[0].id == "HumanEval/0" and not humaneval[0].chat
+    assert [p.id for p in load_prompt_set("humaneval:2:skip=2")] == [p.id for p in humaneval[2:]]
+    sharegpt = load_prompt_set("sharegpt:3")
+    assert len(sharegpt) == 3 and all(p.chat and p.text for p in sharegpt)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        load_prompt_set(str(bad))
+    with pytest.raises(ValueError, match="unknown prompt set"):
+        load_prompt_set("mmlu:3")
