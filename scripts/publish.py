@@ -42,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
         tree_file=args.tree,
         dtype=getattr(torch, args.dtype),
         bench_command=args.bench_command,
-        train_command=f"selfdraft train --config {args.config}",
         tokens=tokens,
     )
     print(f"wrote {dest}")

@@ -20,19 +20,24 @@ BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 
 
-def run_summary(run_dir: Path) -> dict:
+def run_summary(run_dir: Path, sequences_per_step: int = 0) -> dict:
     """Steps, wall time, world size, tokens and the last held-out evaluation, from log.jsonl."""
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     meta = json.loads((run_dir / RUN_FILE).read_text())
     starts = [r for r in log if r.get("event") in ("start", "resume")]
     done = [r for r in log if r.get("event") == "done"]
     evals = [r for r in log if "eval_top1_by_depth" in r]
+    steps = max((r["step"] for r in log), default=0)
+    examples = starts[0].get("examples") if starts else None
+    seen = steps * sequences_per_step * meta["world_size"]
     return {
-        "steps": max((r["step"] for r in log), default=0),
+        "steps": steps,
+        "sequences_seen": seen,
+        "epochs": seen / examples if examples else 0.0,
         "train_seconds": sum(r.get("train_seconds", 0.0) for r in done),
         "sessions": len(starts),
         "world_size": meta["world_size"],
-        "examples": starts[0].get("examples") if starts else None,
+        "examples": examples,
         "last_eval": evals[-1] if evals else None,
         "throughput_tokens_per_s_per_rank": next(
             (r["tokens_per_s_rank"] for r in reversed(log) if "tokens_per_s_rank" in r), None
@@ -41,9 +46,24 @@ def run_summary(run_dir: Path) -> dict:
 
 
 def _bench_rows(bench: dict | None) -> list[dict]:
-    return [
-        r for r in (bench or {}).get("summary", []) if r.get("tau") is not None or r["method"] == "baseline"
+    return list((bench or {}).get("summary", []))
+
+
+def _verdict(rows: list[dict]) -> str:
+    """One sentence derived from the measured rows: are these heads faster than plain decoding here?"""
+    ours = [
+        r for r in rows if r.get("tau") is not None and r["temperature"] == 0.0 and r["speedup"] is not None
     ]
+    if not ours:
+        return ""
+    worst, best = min(r["speedup"] for r in ours), max(r["speedup"] for r in ours)
+    if best < 1.0:
+        return (
+            f"**On this machine these heads are slower than the target's own greedy decoding** "
+            f"({worst:.2f}x-{best:.2f}x at T=0): their acceptance length does not yet pay for drafting "
+            "and for verifying a block. They are an intermediate training stage."
+        )
+    return f"Greedy speedup on this machine: {worst:.2f}x-{best:.2f}x across prompt sets."
 
 
 def model_card(
@@ -80,6 +100,7 @@ def model_card(
         "```python",
         "from selfdraft.inference import SelfDraftModel",
         f'm = SelfDraftModel.from_pretrained("{target}", heads="{repo_path}")',
+        f'# shipped with selfdraft: SelfDraftModel.from_pretrained("{target}") loads these heads by default',
         'out = m.generate(m.chat_ids("Hello!"), max_new_tokens=64)',
         "```",
         "",
@@ -87,8 +108,9 @@ def model_card(
         "",
         f"- Target: `{target}` ({base}), frozen; heads kind: {kind}.",
         f"- Data: ShareGPT conversations (held-out split excluded), rendered with the target's chat template; "
-        f"labels are the target's own next-token distribution. Tokens seen in the feature cache: "
-        f"{tokens if tokens is not None else 'unknown'}; examples: {summary['examples']}.",
+        f"labels are the target's own next-token distribution. Training tokens (cached target features): "
+        f"{tokens if tokens is not None else 'unknown'} in {summary['examples']} sequences, seen "
+        f"{summary['epochs']:.1f} times ({summary['sequences_seen']} sequences in all).",
         f"- Command: `{train_command}`",
         f"- Steps: {summary['steps']}, world size {summary['world_size']}, wall time "
         f"{summary['train_seconds'] / 60:.1f} min over {summary['sessions']} session(s) (2-core CPU, fp32).",
@@ -124,6 +146,16 @@ def model_card(
             "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
             "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
         ]
+        curve = (bench or {}).get("verify_cost_seconds", {})
+        if curve:
+            one = curve.get("1") or next(iter(curve.values()))
+            lines += [
+                "",
+                "Verify cost on the same machine (one target pass over b tokens, relative to b = 1): "
+                + ", ".join(f"{b}: {t / one:.2f}x" for b, t in curve.items())
+                + ".",
+            ]
+        lines += ["", _verdict(rows)]
     else:
         lines += ["", "No benchmark was recorded for this checkpoint."]
     return "\n".join(lines) + "\n"
@@ -149,6 +181,10 @@ def publish(
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(heads, tmp, dtype=dtype)
     config_text = Path(config_path).read_text()
+    from selfdraft.training.config import load_run_config
+
+    train = load_run_config(config_path).train
+    summary = run_summary(run_dir, train.micro_batch_size * train.gradient_accumulation_steps)
     (tmp / "training_config.yaml").write_text(config_text)
     if tree_file:
         shutil.copy(tree_file, tmp / "tree.yaml")
@@ -158,12 +194,13 @@ def publish(
             target=target,
             kind=heads.config.head_kind,
             config_text=config_text,
-            summary=run_summary(run_dir),
+            summary=summary,
             tokens=tokens,
             bench=bench,
             bench_command=bench_command,
-            train_command=train_command,
             repo_path=repo_path or str(dest),
+            train_command=train_command
+            or f"selfdraft train --config {config_path} --nproc {summary['world_size']}",
         )
     )
     if dest.exists():
