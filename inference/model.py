@@ -111,7 +111,7 @@ def _as_prompt_ids(input_ids, device) -> torch.Tensor:
 class SelfDraftModel:
     """Holds a target, its tokenizer and heads; `generate` decodes speculatively and losslessly."""
 
-    def __init__(self, target, tokenizer, heads, tree: TreeLike = "small") -> None:
+    def __init__(self, target, tokenizer, heads, tree: TreeLike = DEFAULT_TREE) -> None:
         check_compatible(heads.config, target.config)
         self.target = target
         self.tokenizer = tokenizer
