@@ -66,8 +66,9 @@ class Runner:
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
+        # One target serves every method, so they all run the very same weights in the same memory.
         self.target, self.tokenizer = load_target(config.target)
-        self.base = SelfDraftModel.from_pretrained(config.target, heads=None)  # for stop ids and templates
+        self.base = SelfDraftModel.with_heads(self.target, self.tokenizer, None)  # stop ids, chat template
         self.methods = [parse_method(m) for m in config.methods]
         if not self.methods or self.methods[0].kind != "baseline":
             self.methods.insert(0, Method("baseline", "baseline"))
@@ -76,7 +77,9 @@ class Runner:
         for m in self.methods:
             if m.kind == "selfdraft":
                 heads = None if m.arg == "none" else m.arg
-                self.models[m.label] = SelfDraftModel.from_pretrained(config.target, heads=heads, tree=m.tree)
+                self.models[m.label] = SelfDraftModel.with_heads(
+                    self.target, self.tokenizer, heads, target_name=config.target, tree=m.tree
+                )
             elif m.kind == "assisted":
                 draft, draft_tok = load_target(m.arg)
                 if draft_tok.get_vocab() != self.tokenizer.get_vocab():

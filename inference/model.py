@@ -47,7 +47,9 @@ def read_tree_file(path: Path) -> TreeSpec | DynamicTree:
     data = yaml.safe_load(path.read_text())
     allowed = {"paths", "dynamic", "description", "measured"}
     if not isinstance(data, dict) or set(data) - allowed or ("paths" in data) == ("dynamic" in data):
-        raise ValueError(f"{path}: a tree file holds exactly one of `paths:` or `dynamic:` (keys: {sorted(allowed)})")
+        raise ValueError(
+            f"{path}: a tree file holds exactly one of `paths:` or `dynamic:` (keys: {sorted(allowed)})"
+        )
     if "dynamic" in data:
         options = data["dynamic"]
         if not isinstance(options, dict) or set(options) - DYNAMIC_KEYS:
@@ -56,7 +58,9 @@ def read_tree_file(path: Path) -> TreeSpec | DynamicTree:
     return TreeSpec.from_paths(data["paths"])
 
 
-def write_tree_file(path: Path, tree: TreeSpec | DynamicTree, description: str = "", measured: dict | None = None):
+def write_tree_file(
+    path: Path, tree: TreeSpec | DynamicTree, description: str = "", measured: dict | None = None
+):
     data: dict = {"description": description} if description else {}
     if isinstance(tree, DynamicTree):
         data["dynamic"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
@@ -139,20 +143,38 @@ class SelfDraftModel:
         model, tokenizer = load_target(
             target, attn_implementation=attn_implementation, dtype=dtype, **target_kwargs
         )
+        return cls.with_heads(
+            model, tokenizer, heads, target_name=str(target), tree=tree, head_kind=head_kind
+        )
+
+    @classmethod
+    def with_heads(
+        cls,
+        target,
+        tokenizer,
+        heads: str | Path | HeadsConfig | None = SHIPPED,
+        *,
+        target_name: str = "",
+        tree: TreeLike | None = None,
+        head_kind: str = "eagle",
+    ) -> SelfDraftModel:
+        """Attach heads (same meaning of `heads` as in `from_pretrained`) to an already loaded target;
+        several models can share one target this way."""
+        dtype = target.get_input_embeddings().weight.dtype
         if heads == SHIPPED:
-            heads = shipped_heads_dir(str(target))
+            heads = shipped_heads_dir(target_name)
             if heads is None:
-                logger.warning("no heads are shipped for %s: using fresh, untrained heads", target)
+                logger.warning("no heads are shipped for %s: using fresh, untrained heads", target_name)
         if heads is None:
-            heads = HeadsConfig.for_target(model.config, head_kind=head_kind)
+            heads = HeadsConfig.for_target(target.config, head_kind=head_kind)
         if isinstance(heads, HeadsConfig):
-            module = build_heads(heads).to(dtype).attach(model)
+            module = build_heads(heads).to(dtype).attach(target)
             module.init_projection_from_target()
         else:
-            module = load_heads(heads, model, dtype=dtype)
+            module = load_heads(heads, target, dtype=dtype)
             if tree is None and (Path(heads) / TREE_FILE).is_file():
                 tree = str(Path(heads) / TREE_FILE)  # the shape tuned for these heads
-        return cls(model, tokenizer, module, tree=tree or DEFAULT_TREE)
+        return cls(target, tokenizer, module, tree=tree or DEFAULT_TREE)
 
     def default_stop_ids(self) -> list[int]:
         ids = self.target.generation_config.eos_token_id

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from selfdraft.inference.bench import verify_cost_curve
-from selfdraft.inference.dynamic_tree import DynamicTree
 from selfdraft.inference.model import SelfDraftModel, resolve_tree
-from selfdraft.inference.tree import TreeSpec
 
 CANDIDATES = [
     "chain-1",
@@ -84,7 +82,3 @@ def tree_description(score: TreeScore) -> str:
         f"chosen by selfdraft tune: tau {score.tau:.2f}, {score.tree_tokens:.1f} tokens per pass, "
         f"expected {score.expected_tokens_per_s:.1f} tok/s, measured {score.measured_tokens_per_s:.1f} tok/s"
     )
-
-
-def as_shape(name: str) -> TreeSpec | DynamicTree:
-    return resolve_tree(name)

@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.inference.model import TREE_FILE, SelfDraftModel, write_tree_file
+    from selfdraft.inference.model import TREE_FILE, SelfDraftModel, resolve_tree, write_tree_file
     from selfdraft.inference.prompts import load_prompt_set
-    from selfdraft.inference.tune import CANDIDATES, as_shape, score_trees, tree_description
+    from selfdraft.inference.tune import CANDIDATES, score_trees, tree_description
 
     model = SelfDraftModel.from_pretrained(args.target, heads=args.heads, tree="chain-1")
     prompts = [
@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
         )
     best = scores[0]
     out = Path(args.out) if args.out else Path(args.heads) / TREE_FILE
-    write_tree_file(out, as_shape(best.tree), tree_description(best), {k: v for k, v in asdict(best).items()})
+    write_tree_file(
+        out, resolve_tree(best.tree), tree_description(best), {k: v for k, v in asdict(best).items()}
+    )
     print(f"chose {best.tree} -> {out}")
     return 0
