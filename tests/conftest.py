@@ -28,16 +28,12 @@ def tiny_target_dir(tmp_path_factory):
 
     from selfdraft.inference.target import resolve_target_path
 
+    from tiny_models import COMMON
+
     tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **{**COMMON, "vocab_size": len(tok)},
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

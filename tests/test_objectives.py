@@ -15,7 +15,6 @@ from selfdraft.training.objectives import (
     forward_kl,
     medusa_loss,
     medusa_targets,
-    topk_accuracy,
     ttt_weights,
 )
 
@@ -164,18 +163,3 @@ def test_count_tokens_counts_loss_masked_tokens_only():
     assert count_tokens(rows, 5).tolist() == [1, 0, 2, 2, 0]
     assert count_tokens(datasets.Dataset.from_list(rows), 5).tolist() == [1, 0, 2, 2, 0]
     assert count_tokens(datasets.Dataset.from_list(rows).select([]), 5).tolist() == [0] * 5
-
-
-def test_topk_accuracy_per_head():
-    logits = torch.tensor(
-        [
-            [[0.1, 0.9, 0.0], [0.5, 0.2, 0.3], [0.0, 0.0, 1.0]],  # head 0, 3 positions
-            [[0.9, 0.1, 0.0], [0.1, 0.2, 0.7], [0.35, 0.25, 0.4]],  # head 1
-        ]
-    )  # [K=2, N=3, V=3]
-    labels = torch.tensor([[1, 2, 0], [1, 2, 0]])
-    valid = torch.tensor([[True, True, False], [True, True, True]])
-    acc = topk_accuracy(logits, labels, valid, ks=(1, 2))
-    # head 0: top1 hits pos0 only (pos2 invalid) -> 1/2; top2 hits pos0, pos1 (0.3 is 2nd) -> 2/2
-    # head 1: top1 hits pos1 -> 1/3; top2 hits pos0 (0.1 is 2nd), pos1, pos2 (0.35 is 2nd) -> 3/3
-    torch.testing.assert_close(acc, torch.tensor([[0.5, 1.0], [1 / 3, 1.0]]))

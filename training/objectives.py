@@ -8,7 +8,7 @@ a batch with no counted position gives 0 (not NaN), so a fully masked micro-batc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -176,24 +176,3 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tupl
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[target_ids] = True
     return d2t, t2d
-
-
-# -------------------------------------------------------------------------------------------------- metrics
-
-
-def topk_accuracy(
-    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, ks: Sequence[int] = (1,)
-) -> torch.Tensor:
-    """Per head (or per unroll depth) top-k accuracy. logits: [K, ..., V]; labels, valid: [K, ...].
-
-    Returns [K, len(ks)]: the fraction of valid positions of head k whose label is among its k highest
-    logits (0 where a head has no valid position). Pair with `medusa_targets` for Medusa heads.
-    """
-    K = logits.shape[0]
-    flat_logits = logits.reshape(K, -1, logits.shape[-1])
-    flat_labels = labels.reshape(K, -1)
-    flat_valid = valid.reshape(K, -1).float()
-    top = flat_logits.topk(max(ks), dim=-1).indices  # [K, N, max_k]
-    hits = top == flat_labels[..., None]
-    out = torch.stack([hits[..., :k].any(-1).float() for k in ks], dim=-1)  # [K, N, len(ks)]
-    return (out * flat_valid[..., None]).sum(1) / flat_valid.sum(1).clamp(min=1.0)[:, None]
