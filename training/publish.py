@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +47,63 @@ def run_summary(run_dir: Path, sequences_per_step: int = 0) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One training run of a checkpoint's history (a later stage starts from an earlier one's heads)."""
+
+    config_path: str
+    config_text: str
+    summary: dict
+    command: str
+
+
+def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str = "") -> Stage:
+    from selfdraft.training.config import load_run_config
+
+    train = load_run_config(config_path).train
+    summary = run_summary(Path(run_dir), train.micro_batch_size * train.gradient_accumulation_steps)
+    return Stage(
+        config_path=str(config_path),
+        config_text=Path(config_path).read_text(),
+        summary=summary,
+        command=train_command or f"selfdraft train --config {config_path} --nproc {summary['world_size']}",
+    )
+
+
+def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
+    last = stages[-1].summary
+    lines = [
+        f"- Data: ShareGPT conversations (held-out split excluded), rendered with the target's chat template; "
+        f"labels are the target's own next-token distribution. Training tokens (cached target features): "
+        f"{tokens if tokens is not None else 'unknown'} in {last['examples']} sequences.",
+    ]
+    for i, stage in enumerate(stages, 1):
+        s = stage.summary
+        name = f"Stage {i} of {len(stages)}" if len(stages) > 1 else "Training"
+        lines.append(
+            f"- {name}: `{stage.command}`: {s['steps']} steps, world size {s['world_size']}, "
+            f"{s['sequences_seen']} sequences ({s['epochs']:.1f} passes over its {s['examples']}), "
+            f"wall time {s['train_seconds'] / 60:.1f} min over {s['sessions']} session(s) (2-core CPU, fp32)."
+        )
+    if len(stages) > 1:
+        lines.append(
+            f"- In all: {sum(st.summary['steps'] for st in stages)} steps, "
+            f"{sum(st.summary['sequences_seen'] for st in stages)} sequences, "
+            f"{sum(st.summary['train_seconds'] for st in stages) / 60:.1f} min of training."
+        )
+    if last["last_eval"]:
+        e = last["last_eval"]
+        acc = ", ".join(f"{a:.3f}" for a in e["eval_top1_by_depth"])
+        lines.append(
+            f"- Held-out top-1 agreement with the target by depth: {acc}; simulated chain tau "
+            f"{e['eval_simulated_tau_chain']:.2f}."
+        )
+    for i, stage in enumerate(stages, 1):
+        title = f"Stage {i} config (`{stage.config_path}`):" if len(stages) > 1 else "Run config:"
+        lines += ["", title, "", "```yaml", stage.config_text.strip(), "```"]
+    return lines
+
+
 def _bench_rows(bench: dict | None) -> list[dict]:
     return list((bench or {}).get("summary", []))
 
@@ -70,12 +129,10 @@ def model_card(
     *,
     target: str,
     kind: str,
-    config_text: str,
-    summary: dict,
+    stages: Sequence[Stage],
     tokens: int | None,
     bench: dict | None,
     bench_command: str,
-    train_command: str,
     repo_path: str,
 ) -> str:
     base = BASE_MODELS.get(target, target)
@@ -107,22 +164,9 @@ def model_card(
         "## Training",
         "",
         f"- Target: `{target}` ({base}), frozen; heads kind: {kind}.",
-        f"- Data: ShareGPT conversations (held-out split excluded), rendered with the target's chat template; "
-        f"labels are the target's own next-token distribution. Training tokens (cached target features): "
-        f"{tokens if tokens is not None else 'unknown'} in {summary['examples']} sequences, seen "
-        f"{summary['epochs']:.1f} times ({summary['sequences_seen']} sequences in all).",
-        f"- Command: `{train_command}`",
-        f"- Steps: {summary['steps']}, world size {summary['world_size']}, wall time "
-        f"{summary['train_seconds'] / 60:.1f} min over {summary['sessions']} session(s) (2-core CPU, fp32).",
     ]
-    if summary["last_eval"]:
-        e = summary["last_eval"]
-        acc = ", ".join(f"{a:.3f}" for a in e["eval_top1_by_depth"])
-        lines.append(
-            f"- Held-out top-1 agreement with the target by depth: {acc}; simulated chain tau "
-            f"{e['eval_simulated_tau_chain']:.2f}."
-        )
-    lines += ["", "Run config:", "", "```yaml", config_text.strip(), "```", "", "## Measured"]
+    lines += _training_lines(stages, tokens)
+    lines += ["", "## Measured"]
     rows = _bench_rows(bench)
     if rows:
         lines += [
@@ -174,18 +218,22 @@ def publish(
     train_command: str = "",
     tokens: int | None = None,
     repo_path: str | None = None,
+    earlier: Sequence[tuple[str | Path, str | Path]] = (),
 ) -> Path:
+    """Write `dest` from the run `run_dir` trained with `config_path`.
+
+    earlier: (run_dir, config_path) of the stages the run continued from (`heads.init_from`), oldest
+    first; the card states every stage and the folder keeps each stage's config.
+    """
     run_dir, dest = Path(run_dir), Path(dest)
     heads = load_heads(run_dir / "heads")
+    stages = [read_stage(r, c) for r, c in earlier] + [read_stage(run_dir, config_path, train_command)]
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(heads, tmp, dtype=dtype)
-    config_text = Path(config_path).read_text()
-    from selfdraft.training.config import load_run_config
-
-    train = load_run_config(config_path).train
-    summary = run_summary(run_dir, train.micro_batch_size * train.gradient_accumulation_steps)
-    (tmp / "training_config.yaml").write_text(config_text)
+    for i, stage in enumerate(stages[:-1], 1):
+        (tmp / f"training_config.stage{i}.yaml").write_text(stage.config_text)
+    (tmp / "training_config.yaml").write_text(stages[-1].config_text)
     if tree_file:
         shutil.copy(tree_file, tmp / "tree.yaml")
     bench = json.loads(Path(bench_json).read_text()) if bench_json else None
@@ -193,14 +241,11 @@ def publish(
         model_card(
             target=target,
             kind=heads.config.head_kind,
-            config_text=config_text,
-            summary=summary,
+            stages=stages,
             tokens=tokens,
             bench=bench,
             bench_command=bench_command,
             repo_path=repo_path or str(dest),
-            train_command=train_command
-            or f"selfdraft train --config {config_path} --nproc {summary['world_size']}",
         )
     )
     if dest.exists():
