@@ -94,8 +94,15 @@ class Runner:
         return self.tokenizer(prompt.text, return_tensors="pt").input_ids
 
     @torch.no_grad()
-    def run(self, method: Method, ids: torch.Tensor, temperature: float, seed: int) -> dict:
-        n = self.config.max_new_tokens
+    def run(
+        self,
+        method: Method,
+        ids: torch.Tensor,
+        temperature: float,
+        seed: int,
+        max_new_tokens: int | None = None,
+    ) -> dict:
+        n = max_new_tokens or self.config.max_new_tokens
         torch.manual_seed(seed)
         if method.kind == "selfdraft":
             timed, out = run_speculative(
@@ -153,7 +160,7 @@ def run_bench(config: BenchConfig) -> dict:
     sets = {spec: [p.id for p in load_prompt_set(spec)] for spec in config.prompts}
     warm = runner.ids(Prompt("warmup", "Hello!", True))
     for m in runner.methods:  # warm-up: one short run of every method, not measured
-        runner.run(m, warm, 0.0, config.seed)
+        runner.run(m, warm, 0.0, config.seed, max_new_tokens=min(16, config.max_new_tokens))
     rows = []
     total = len(prompts) * len(config.temperatures) * config.repeats * len(runner.methods)
     with tqdm(total=total, desc="bench", unit="run") as bar:
