@@ -12,12 +12,13 @@ from selfdraft.inference import kv
 from selfdraft.inference.acceptance import AcceptResult, accept_greedy, accept_rejection, accept_typical
 from selfdraft.inference.drafting import make_drafter
 from selfdraft.inference.dynamic_tree import DynamicTree
+from selfdraft.inference.lookup import LookupTree, graft_chain, lookup_continuation
 from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
 from selfdraft.inference.target import max_context
 from selfdraft.inference.tree import TreeSpec
 from selfdraft.inference.verify import TargetPass, prefill, verify_tree
 
-TreeShape = TreeSpec | DynamicTree
+TreeShape = TreeSpec | DynamicTree | LookupTree
 
 ACCEPTANCE_MODES = ("rejection", "typical")
 
@@ -154,6 +155,7 @@ def speculative_generate(
     root = _first_token(passed.logits[-1], sampling, generator)
     stats.prefill_time = time.perf_counter() - start
     out: list[int] = []
+    context = input_ids[0].tolist()  # prompt + output: what a prompt-lookup branch searches
 
     def emit(new: list[int]) -> bool:
         """Append tokens up to a stop token or the budget; True when generation is over."""
@@ -165,6 +167,7 @@ def speculative_generate(
         else:
             chunk, done = new, False
         out.extend(chunk)
+        context.extend(chunk)
         if streamer is not None:
             streamer.put(torch.tensor(chunk))
         return done
@@ -177,23 +180,25 @@ def speculative_generate(
 
     while not done:
         prefix = kv.cache_length(cache)
-        tree = _tree_that_fits(spec, prefix, limit)
-        if tree is None:
+        shape = _tree_that_fits(spec, prefix, limit)
+        if shape is None:
             stats.finish_reason = "context"
             break
         t0 = time.perf_counter()
-        draft = drafter.draft(root, tree)
-        tree = draft.spec  # a dynamic shape becomes a concrete TreeSpec here
+        draft = drafter.draft(root, shape.base if isinstance(shape, LookupTree) else shape)
+        tree, tokens = draft.spec, draft.tokens  # a dynamic shape becomes a concrete TreeSpec here
+        if isinstance(shape, LookupTree):
+            tree, tokens = graft_chain(tree, tokens, lookup_continuation(context, shape.lookup))
         t1 = time.perf_counter()
-        passed = verify_tree(target, cache, draft.tokens.to(input_ids.device), tree)
-        result = _accept(passed, draft.tokens, tree, sampling, acceptance, generator)
+        passed = verify_tree(target, cache, tokens.to(input_ids.device), tree)
+        result = _accept(passed, tokens, tree, sampling, acceptance, generator)
         path = torch.tensor([0, *result.accepted], dtype=torch.long, device=input_ids.device)
         kv.keep_positions(cache, prefix, prefix + path)
         stats.verify_time += time.perf_counter() - t1
         stats.draft_time += t1 - t0
         stats.record(len(result.accepted), tree.max_depth, tree.size)
 
-        new = [int(draft.tokens[a]) for a in result.accepted] + [result.next_token]
+        new = [int(tokens[a]) for a in result.accepted] + [result.next_token]
         done = emit(new)
         if not done:
             drafter.observe(torch.tensor(new), passed.hidden_states, path)

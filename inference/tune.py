@@ -26,6 +26,10 @@ CANDIDATES = [
     "dynamic:depth=3,top_k=3,total_tokens=6",
     "dynamic:depth=4,top_k=4,total_tokens=10",
     "dynamic:depth=5,top_k=4,total_tokens=16",
+    "chain-2+lookup=5",
+    "chain-3+lookup=5",
+    "small+lookup=5",
+    "dynamic:depth=4,top_k=4,total_tokens=10+lookup=5",
 ]
 
 

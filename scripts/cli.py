@@ -11,7 +11,10 @@ COMMANDS = {
     "generate": ("selfdraft.scripts.generate", "generate text with a target and draft heads"),
     "bench": ("selfdraft.scripts.bench", "benchmark selfdraft against target generate and other methods"),
     "demo": ("selfdraft.scripts.demo", "stream answers with the shipped heads and measure the speedup"),
-    "distill": ("selfdraft.scripts.distill", "regenerate assistant turns with the target (self-distillation)"),
+    "distill": (
+        "selfdraft.scripts.distill",
+        "regenerate assistant turns with the target (self-distillation)",
+    ),
     "prepare": ("selfdraft.scripts.prepare", "render training data and cache target features"),
     "train": ("selfdraft.scripts.train", "train heads on a frozen target (DeepSpeed, via torchrun)"),
     "tune": ("selfdraft.scripts.tune", "choose the tree that maximizes expected tokens/s for given heads"),

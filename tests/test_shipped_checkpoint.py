@@ -26,10 +26,15 @@ def test_folder_is_a_model_card_checkpoint():
     assert {"config.json", "model.safetensors", "README.md"} <= names
     assert (SHIPPED / "model.safetensors").stat().st_size < 32 * 2**20
     state = load_file(SHIPPED / "model.safetensors")
-    assert not any(name.startswith(("model.", "lm_head.weight")) and v.shape[0] == 49152 for name, v in state.items())
+    assert not any(
+        name.startswith(("model.", "lm_head.weight")) and v.shape[0] == 49152 for name, v in state.items()
+    )
     card = (SHIPPED / "README.md").read_text()
     header = yaml.safe_load(card.split("---")[1])
-    assert header["library_name"] == "selfdraft" and header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (
+        header["library_name"] == "selfdraft"
+        and header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
     assert header["license"] and header["datasets"]
     for fact in ("selfdraft train --config", " steps, world size", "tau", "speedup"):
         assert fact in card

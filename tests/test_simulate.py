@@ -20,7 +20,9 @@ def test_label_ranks_with_and_without_draft_vocab():
 
 def _depth(ranks, offset, valid=None):
     r = torch.tensor([ranks])
-    return DepthRanks(r, torch.ones_like(r, dtype=torch.bool) if valid is None else torch.tensor([valid]), offset)
+    return DepthRanks(
+        r, torch.ones_like(r, dtype=torch.bool) if valid is None else torch.tensor([valid]), offset
+    )
 
 
 def test_chain_and_tree_walks():

@@ -1,0 +1,118 @@
+"""Prompt lookup grafted onto the heads' tree: the n-gram search, the graft, the tree syntax, and that
+output stays the target's (greedy identity; the two-token law under sampling)."""
+
+import pytest
+import torch
+from test_greedy_identity import random_heads
+from test_sampling_target import _exact_two_token_law
+
+from selfdraft.inference import SelfDraftModel
+from selfdraft.inference.lookup import LookupTree, PromptLookup, graft_chain, lookup_continuation
+from selfdraft.inference.model import read_tree_file, resolve_tree, write_tree_file
+from selfdraft.inference.sampling import SamplingParams
+from selfdraft.inference.tree import TreeSpec
+
+from stats import chi_square
+from tiny_models import greedy_reference, tiny_target
+
+
+def test_lookup_takes_the_latest_occurrence_of_the_longest_ngram():
+    three = PromptLookup(tokens=3, max_ngram=3)
+    assert lookup_continuation([1, 2, 3, 9, 8, 1, 2, 3], three) == [9, 8, 1]
+    # [4, 5] occurs at 0 and 3: the latest wins
+    assert lookup_continuation([4, 5, 1, 4, 5, 2, 4, 5], PromptLookup(tokens=3, max_ngram=2)) == [2, 4, 5]
+    # the 3-gram [7, 4, 5] beats a later match of the 2-gram [4, 5]
+    assert lookup_continuation([7, 4, 5, 1, 9, 4, 5, 2, 7, 4, 5], three) == [1, 9, 4]
+    # a continuation is cut at the end of the context
+    assert lookup_continuation([3, 6, 3], three) == [6, 3]
+    assert lookup_continuation([1, 2, 3, 4], three) == []
+    assert lookup_continuation([5, 1, 2, 5], PromptLookup(tokens=2, min_ngram=2)) == []
+    assert lookup_continuation([5], three) == []
+
+
+def test_graft_follows_matching_children_and_branches_at_the_first_mismatch():
+    spec = TreeSpec.chain(2)
+    tokens = torch.tensor([10, 11, 12])
+    grown, values = graft_chain(spec, tokens, [11, 13, 14])
+    assert grown.parents == (-1, 0, 1, 1, 3)
+    assert grown.ranks == (0, 0, 0, 1, 0)  # the new sibling of node 2 takes the next free rank
+    assert values.tolist() == [10, 11, 12, 13, 14]
+    # a chain the tree already holds, or no chain, leaves the draft as it is
+    assert graft_chain(spec, tokens, [11, 12]) == (spec, tokens)
+    assert graft_chain(spec, tokens, []) == (spec, tokens)
+    # under the root: a new branch beside the heads' first choice
+    grown, values = graft_chain(spec, tokens, [20, 21])
+    assert grown.parents == (-1, 0, 1, 0, 3) and grown.ranks == (0, 0, 0, 1, 0)
+    assert values.tolist() == [10, 11, 12, 20, 21]
+
+
+def test_tree_syntax_and_tree_file(tmp_path):
+    tree = resolve_tree("chain-3+lookup=4")
+    assert tree == LookupTree(TreeSpec.chain(3), PromptLookup(tokens=4))
+    assert tree.max_depth == 4
+    assert resolve_tree("dynamic:depth=4,top_k=2,total_tokens=8+lookup").lookup == PromptLookup()
+    for bad in ("chain-3+lookup=x", "chain-3+lookup+lookup", "nope+lookup"):
+        with pytest.raises(ValueError):
+            resolve_tree(bad)
+    path = tmp_path / "tree.yaml"
+    write_tree_file(path, tree, description="test")
+    assert read_tree_file(path) == tree
+    path.write_text("paths: [[0]]\nlookup: {tokens: 3, window: 2}\n")
+    with pytest.raises(ValueError, match="lookup"):
+        read_tree_file(path)
+
+
+def _repetitive_prompt() -> torch.Tensor:
+    return torch.tensor([[7, 21, 33, 8, 7, 21, 33, 8, 7, 21]])
+
+
+@pytest.mark.parametrize("kind,tree", [("eagle", "chain-2+lookup=5"), ("medusa", "small+lookup=4")])
+def test_greedy_identity_with_lookup(kind, tree):
+    target = tiny_target("llama")
+    model = SelfDraftModel(target, None, random_heads(target, kind, 3), tree=tree)
+    plain = SelfDraftModel(target, None, model.heads, tree=resolve_tree(tree).base)
+    for prompt in (_repetitive_prompt(), torch.tensor([[5, 9, 11, 40]])):
+        ref = greedy_reference(target, prompt, 40)
+        out = model.generate(prompt, 40, stop_token_ids=[])
+        assert out.tokens == ref
+        base = plain.generate(prompt, 40, stop_token_ids=[])
+        assert base.tokens == ref
+        # grafting only adds nodes, so it never verifies fewer tokens per pass than the heads' tree
+        assert (
+            out.stats.tree_tokens / out.stats.tree_passes >= base.stats.tree_tokens / base.stats.tree_passes
+        )
+
+
+def test_lookup_accepts_long_blocks_when_the_real_target_repeats(smollm):
+    """SmolLM2 asked to repeat a phrase: random heads accept ~nothing, the lookup branch accepts runs."""
+    target, tokenizer = smollm
+    heads = random_heads(target, "eagle", 0, draft_vocab_size=4096)
+    model = SelfDraftModel(target, tokenizer, heads, tree="chain-1+lookup=6")
+    plain = SelfDraftModel(target, tokenizer, heads, tree="chain-1")
+    ids = model.chat_ids("Repeat this sentence three times: the quick brown fox jumps over the lazy dog.")
+    ref = target.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :].tolist()
+    out = model.generate(ids, 48)
+    base = plain.generate(ids, 48)
+    assert out.tokens == ref == base.tokens
+    assert base.stats.mean_accepted < 1.2
+    assert out.stats.mean_accepted > 1.8, out.stats.accepted_lengths
+
+
+def test_two_token_law_with_lookup_branch():
+    """1,500 sampled `generate` calls with a lookup branch vs the exact law of the first two tokens."""
+    target = tiny_target("llama")
+    V = target.config.vocab_size
+    # every token occurs once in the prompt, so whatever the first token is, the lookup finds it
+    prompt = torch.randperm(V, generator=torch.Generator().manual_seed(0))[None]
+    params = SamplingParams(temperature=1.0)
+    model = SelfDraftModel(target, None, random_heads(target, "eagle", 0), tree="chain-1+lookup=3")
+    counts = torch.zeros(V, V)
+    grafted = 0
+    torch.manual_seed(4321)
+    for _ in range(1500):
+        out = model.generate(prompt, 2, temperature=1.0, stop_token_ids=[])
+        counts[out.tokens[0], out.tokens[1]] += 1
+        grafted += int(out.stats.tree_tokens > 2 * out.stats.tree_passes)  # chain-1 alone verifies 2
+    stat, critical = chi_square(counts, _exact_two_token_law(target, prompt, params))
+    assert stat <= critical, f"chi2 {stat:.1f} > {critical:.1f}"
+    assert grafted > 1000  # the lookup branch was in the verified tree, not only the heads' chain
