@@ -29,6 +29,8 @@ CANDIDATES = [
     "chain-2+lookup=5",
     "chain-3+lookup=5",
     "small+lookup=5",
+    "chain-4+lookup=8",
+    "small+lookup=8",
     "dynamic:depth=4,top_k=4,total_tokens=10+lookup=5",
 ]
 
