@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfdraft.inference.benchmark import Timed, run_baseline, run_speculative
-from selfdraft.inference.model import SHIPPED, SelfDraftModel
+from selfdraft.inference.model import SHIPPED, SelfDraftModel, describe_tree
 from selfdraft.inference.prompts import Prompt, load_prompt_set
 from selfdraft.inference.target import load_target
 
@@ -190,6 +190,7 @@ def run_bench(config: BenchConfig) -> dict:
             "cuda": torch.cuda.is_available(),
         },
         "prompt_sets": sets,
+        "trees": {label: describe_tree(model.tree) for label, model in runner.models.items()},
         "runs": rows,
         "verify_cost_seconds": {str(b): t for b, t in curve.items()},
         "summary": summarize(rows, sets),
@@ -260,8 +261,9 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def markdown_table(report: dict) -> str:
     lines = [
-        "| prompts | method | T | n | tau | tok/s | speedup | identical | draft ms/step | verify ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| prompts | method | T | n | tau | tree tokens | tok/s | speedup | identical | draft ms/step "
+        "| verify ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["summary"]:
         cells = [
@@ -270,6 +272,7 @@ def markdown_table(report: dict) -> str:
             f"{r['temperature']:g}",
             str(r["n"]),
             _fmt(r.get("tau"), ".2f"),
+            _fmt(r.get("tree_tokens"), ".1f"),
             _fmt(r["tokens_per_s"], ".1f"),
             _fmt(r["speedup"], ".2f", "x"),
             _yes(r.get("identical_to_baseline")),
@@ -277,6 +280,7 @@ def markdown_table(report: dict) -> str:
             _fmt(r.get("verify_ms_per_step"), ".0f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += trees_lines(report)
     curve = report["verify_cost_seconds"]
     one = curve["1"]
     lines += [
@@ -291,6 +295,14 @@ def markdown_table(report: dict) -> str:
         "methods interleaved per prompt.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def trees_lines(report: dict) -> list[str]:
+    """Markdown lines naming the tree each selfdraft method used (empty when the report has none)."""
+    trees = report.get("trees", {})
+    if not trees:
+        return []
+    return ["", "Trees: " + "; ".join(f"`{label}`: {text}" for label, text in trees.items()) + "."]
 
 
 def _yes(value) -> str:

@@ -115,6 +115,17 @@ def resolve_tree(tree: TreeLike) -> TreeShape:
     return TreeSpec.from_paths(tree)
 
 
+def describe_tree(tree: TreeShape) -> str:
+    """A short human description of a tree shape, e.g. for benchmark reports."""
+    if isinstance(tree, LookupTree):
+        return f"{describe_tree(tree.base)} + prompt-lookup branch of up to {tree.lookup.tokens} tokens"
+    if isinstance(tree, DynamicTree):
+        return f"dynamic (depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} tokens)"
+    if tree.parents == TreeSpec.chain(tree.max_depth).parents:
+        return f"chain of {tree.max_depth}"
+    return f"static tree of {tree.size - 1} nodes, depth {tree.max_depth}"
+
+
 def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | None:
     kinds = [head_kind] if head_kind else ["eagle", "medusa"]
     for kind in kinds:

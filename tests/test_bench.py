@@ -52,6 +52,8 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
     assert all(r["tau"] >= 1.0 and r["per_depth_acceptance"] for r in spec)
     assert all(r["draft_ms_per_step"] >= 0 and r["verify_ms_per_step"] > 0 for r in spec)
     assert set(report["verify_cost_seconds"]) == {"1", "2", "4"}
+    assert report["trees"]["selfdraft:none:chain-2"] == "chain of 2"
+    assert set(report["trees"]) == {"selfdraft:none", "selfdraft:none:chain-2"}
     table = (out / "bench.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(rows) == len(report["summary"]) + 1 and "bonus" in table  # header + one row each

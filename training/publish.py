@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from selfdraft.heads.io import load_heads, save_heads
+from selfdraft.inference.bench import trees_lines
 from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -190,6 +191,7 @@ def model_card(
             "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
             "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
         ]
+        lines += trees_lines(bench or {})
         curve = (bench or {}).get("verify_cost_seconds", {})
         if curve:
             one = curve.get("1") or next(iter(curve.values()))
