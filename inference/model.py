@@ -115,6 +115,15 @@ def resolve_tree(tree: TreeLike) -> TreeShape:
     return TreeSpec.from_paths(tree)
 
 
+def max_tree_tokens(tree: TreeShape) -> int:
+    """The most tokens one verification pass of this shape can hold (root included)."""
+    if isinstance(tree, LookupTree):
+        return max_tree_tokens(tree.base) + tree.lookup.tokens
+    if isinstance(tree, DynamicTree):
+        return tree.total_tokens + 1  # total_tokens counts drafted nodes, the root comes on top
+    return tree.size
+
+
 def describe_tree(tree: TreeShape) -> str:
     """A short human description of a tree shape, e.g. for benchmark reports."""
     if isinstance(tree, LookupTree):

@@ -15,12 +15,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompts", default="sharegpt:6", help="held-out prompt set (sharegpt:N, humaneval:N, .jsonl)"
     )
     parser.add_argument("--candidates", nargs="+", default=None, help="tree names to compare")
+    parser.add_argument(
+        "--max-tree-tokens",
+        type=int,
+        default=None,
+        help="drop candidates that may verify more tokens than this in one pass",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="where to write the tree file (default HEADS/tree.yaml)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.inference.model import TREE_FILE, SelfDraftModel, resolve_tree, write_tree_file
+    from selfdraft.inference.model import (
+        TREE_FILE,
+        SelfDraftModel,
+        max_tree_tokens,
+        resolve_tree,
+        write_tree_file,
+    )
     from selfdraft.inference.prompts import load_prompt_set
     from selfdraft.inference.tune import CANDIDATES, score_trees, tree_description
 
@@ -29,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
         model.chat_ids(p.text) if p.chat else model.tokenizer(p.text, return_tensors="pt").input_ids
         for p in load_prompt_set(args.prompts)
     ]
-    scores = score_trees(model, prompts, args.candidates or CANDIDATES, args.max_new_tokens)
+    candidates = args.candidates or CANDIDATES
+    if args.max_tree_tokens is not None:
+        candidates = [c for c in candidates if max_tree_tokens(resolve_tree(c)) <= args.max_tree_tokens]
+        if not candidates:
+            raise SystemExit(f"no candidate tree fits in {args.max_tree_tokens} tokens")
+    scores = score_trees(model, prompts, candidates, args.max_new_tokens)
     print(
         f"{'tree':42s} {'tau':>5s} {'size':>5s} {'draft ms':>8s} {'verify ms':>9s} {'expected':>8s} {'measured':>8s}"
     )

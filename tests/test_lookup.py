@@ -8,7 +8,7 @@ from test_sampling_target import _exact_two_token_law
 
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.lookup import LookupTree, PromptLookup, graft_chain, lookup_continuation
-from selfdraft.inference.model import read_tree_file, resolve_tree, write_tree_file
+from selfdraft.inference.model import max_tree_tokens, read_tree_file, resolve_tree, write_tree_file
 from selfdraft.inference.sampling import SamplingParams
 from selfdraft.inference.tree import TreeSpec
 
@@ -50,6 +50,10 @@ def test_tree_syntax_and_tree_file(tmp_path):
     tree = resolve_tree("chain-3+lookup=4")
     assert tree == LookupTree(TreeSpec.chain(3), PromptLookup(tokens=4))
     assert tree.max_depth == 4
+    # the most tokens one pass may verify, root included: what `selfdraft tune --max-tree-tokens` caps
+    assert max_tree_tokens(tree) == 4 + 4
+    assert max_tree_tokens(resolve_tree("dynamic:depth=4,top_k=4,total_tokens=10+lookup=5")) == 11 + 5
+    assert max_tree_tokens(resolve_tree("small")) == resolve_tree("small").size
     assert resolve_tree("dynamic:depth=4,top_k=2,total_tokens=8+lookup").lookup == PromptLookup()
     for bad in ("chain-3+lookup=x", "chain-3+lookup+lookup", "nope+lookup"):
         with pytest.raises(ValueError):

@@ -15,9 +15,10 @@ PROMPTS = [
     "Write a Python function that returns the largest element of a list.",
     "What is the difference between a list and a tuple in Python?",
 ]
-# tau measured on these prompts when the checkpoint was published (see the model card); the floor
-# sits below it so only a real regression (broken drafting or loading) trips it.
-TAU_FLOOR = 1.15
+# With its tuned tree (dynamic, plus a prompt-lookup branch) the shipped checkpoint reached tau 2.52 on
+# these prompts when it was published (1.91 / 3.25 / 2.41); the floor sits below so only a real
+# regression (broken drafting, loading or tree file) trips it. The previous heads scored ~1.4 here.
+TAU_FLOOR = 2.0
 
 
 def test_folder_is_a_model_card_checkpoint():

@@ -114,6 +114,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         "1.25x",
         "selfdraft bench ...",
         "world size 2",
+        "speedup on this machine across prompt sets: `selfdraft:shipped` 1.25x-1.25x.",
     ):
         assert fact in card, fact
 
