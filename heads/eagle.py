@@ -102,5 +102,6 @@ class EagleHead(BorrowingModule):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., h] -> logits [..., V'] (V' = draft vocab size when one is used)."""
         if self.lm_head is None:
-            return self._need().lm_head(features)
+            lm_head = self._need().lm_head  # the target's: it may hold another dtype than the head
+            return lm_head(features.to(lm_head.weight.dtype))
         return self.lm_head(features)

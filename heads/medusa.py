@@ -61,6 +61,6 @@ class MedusaHeads(BorrowingModule):
         heads = heads or slice(None)
         feats = [block(hidden) for block in self.blocks[heads]]
         if self.lm_heads is None:
-            lm_head = self._need().lm_head
-            return torch.stack([lm_head(f) for f in feats])
+            lm_head = self._need().lm_head  # the target's: it may hold another dtype than the heads
+            return torch.stack([lm_head(f.to(lm_head.weight.dtype)) for f in feats])
         return torch.stack([proj(f) for proj, f in zip(self.lm_heads[heads], feats, strict=True)])

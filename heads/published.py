@@ -305,5 +305,6 @@ class PublishedEagleHead(BorrowingModule):
         if self.norm is not None:
             features = self.norm(features)
         if self.lm_head is None:
-            return self._need().lm_head(features)
+            lm_head = self._need().lm_head  # the target's: it may hold another dtype than the head
+            return lm_head(features.to(lm_head.weight.dtype))
         return self.lm_head(features)

@@ -19,7 +19,9 @@ import torch
 from tqdm.auto import tqdm
 
 from selfdraft.inference.benchmark import Timed, run_baseline, run_speculative
+from selfdraft.inference.drafting import heads_dtype
 from selfdraft.inference.model import SHIPPED, SelfDraftModel, describe_tree
+from selfdraft.inference.precision import first_divergence, parse_dtype
 from selfdraft.inference.prompts import Prompt, load_prompt_set
 from selfdraft.inference.target import load_target
 
@@ -33,6 +35,8 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 1
     threads: int = 2
+    dtype: str = "float32"  # the target's (and the baseline's): float32 keeps greedy output identical
+    draft_dtype: str = "auto"  # the heads'; see SelfDraftModel.from_pretrained
     seed: int = 0
     verify_curve: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     output_dir: str = "runs/bench"
@@ -67,7 +71,7 @@ class Runner:
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
         # One target serves every method, so they all run the very same weights in the same memory.
-        self.target, self.tokenizer = load_target(config.target)
+        self.target, self.tokenizer = load_target(config.target, dtype=parse_dtype(config.dtype))
         self.base = SelfDraftModel.with_heads(self.target, self.tokenizer, None)  # stop ids, chat template
         self.methods = [parse_method(m) for m in config.methods]
         if not self.methods or self.methods[0].kind != "baseline":
@@ -78,10 +82,15 @@ class Runner:
             if m.kind == "selfdraft":
                 heads = None if m.arg == "none" else m.arg
                 self.models[m.label] = SelfDraftModel.with_heads(
-                    self.target, self.tokenizer, heads, target_name=config.target, tree=m.tree
+                    self.target,
+                    self.tokenizer,
+                    heads,
+                    target_name=config.target,
+                    tree=m.tree,
+                    draft_dtype=config.draft_dtype,
                 )
             elif m.kind == "assisted":
-                draft, draft_tok = load_target(m.arg)
+                draft, draft_tok = load_target(m.arg, dtype=parse_dtype(config.dtype))
                 if draft_tok.get_vocab() != self.tokenizer.get_vocab():
                     raise ValueError(
                         f"assisted:{m.arg}: the draft model's tokenizer differs from the target's"
@@ -180,6 +189,7 @@ def run_bench(config: BenchConfig) -> dict:
                             }
                         )
                         bar.update(1)
+    mark_divergences(runner.target, rows, {p.id: runner.ids(p) for p in prompts})
     curve = verify_cost_curve(runner.target, config.verify_curve)
     return {
         "config": asdict(config),
@@ -191,10 +201,34 @@ def run_bench(config: BenchConfig) -> dict:
         },
         "prompt_sets": sets,
         "trees": {label: describe_tree(model.tree) for label, model in runner.models.items()},
+        "dtypes": {
+            "target": str(runner.target.dtype).removeprefix("torch."),
+            **{
+                label: str(heads_dtype(model.heads)).removeprefix("torch.")
+                for label, model in runner.models.items()
+            },
+        },
         "runs": rows,
         "verify_cost_seconds": {str(b): t for b, t in curve.items()},
         "summary": summarize(rows, sets),
     }
+
+
+def mark_divergences(target, rows: list[dict], prompt_ids: dict[str, torch.Tensor]) -> None:
+    """Greedy rows whose tokens differ from the baseline's get a "divergence" entry: where they part
+    and how far apart the target's own logits for the two tokens are there (see precision.Divergence)."""
+    base = {
+        (r["prompt"], r["repeat"]): r["tokens"]
+        for r in rows
+        if r["method"] == "baseline" and r["temperature"] == 0.0
+    }
+    for r in rows:
+        key = (r["prompt"], r["repeat"])
+        if r["temperature"] != 0.0 or r["method"] == "baseline" or key not in base:
+            continue
+        found = first_divergence(target, prompt_ids[r["prompt"]], base[key], r["tokens"])
+        if found is not None:
+            r["divergence"] = {**asdict(found), "near_tie": found.near_tie}
 
 
 def summarize(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
@@ -226,8 +260,11 @@ def summarize(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
                     "speedup": statistics.median(speedups) if speedups else None,
                 }
                 if t == 0.0:
-                    record["identical_to_baseline"] = all(
-                        mine[p]["tokens"] == base[p]["tokens"] for p in mine
+                    same = [p for p in mine if mine[p]["tokens"] == base[p]["tokens"]]
+                    record["identical_to_baseline"] = len(same) == len(mine)
+                    record["identical_prompts"] = len(same)
+                    record["near_tie_prompts"] = sum(
+                        1 for p in mine if mine[p].get("divergence", {}).get("near_tie", False)
                     )
                 if "tau" in next(iter(mine.values())):
                     vals = list(mine.values())
@@ -275,7 +312,7 @@ def markdown_table(report: dict) -> str:
             _fmt(r.get("tree_tokens"), ".1f"),
             _fmt(r["tokens_per_s"], ".1f"),
             _fmt(r["speedup"], ".2f", "x"),
-            _yes(r.get("identical_to_baseline")),
+            _identical_cell(r),
             _fmt(r.get("draft_ms_per_step"), ".0f"),
             _fmt(r.get("verify_ms_per_step"), ".0f"),
         ]
@@ -294,6 +331,16 @@ def markdown_table(report: dict) -> str:
         "method / tokens/s of the baseline on the same prompt (median over prompts), same run, "
         "methods interleaved per prompt.",
     ]
+    dtypes = report.get("dtypes")
+    if dtypes:
+        lines += [
+            "",
+            "dtypes: "
+            + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+            + ". identical = greedy tokens equal to the baseline's; k/n (m near-tie): m of the others "
+            "part where the target's own logits for the two tokens are within 2 ulps of its dtype, a "
+            "tie its own numerics break differently for a 1-token and a many-token forward.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -305,8 +352,19 @@ def trees_lines(report: dict) -> list[str]:
     return ["", "Trees: " + "; ".join(f"`{label}`: {text}" for label, text in trees.items()) + "."]
 
 
-def _yes(value) -> str:
-    return "-" if value is None else ("yes" if value else "NO")
+def _identical_cell(record: dict) -> str:
+    """yes | k/n, with how many of the others parted at a near-tie of the target's own logits."""
+    if record.get("identical_to_baseline") is None:
+        return "-"
+    if record["identical_to_baseline"]:
+        return "yes"
+    cell = f"{record['identical_prompts']}/{record['n']}"
+    ties = record.get("near_tie_prompts", 0)
+    return (
+        cell
+        + (f" ({ties} near-tie)" if ties else "")
+        + (" NO" if record["identical_prompts"] + ties < record["n"] else "")
+    )
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:

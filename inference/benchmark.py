@@ -36,10 +36,10 @@ class Comparison:
 
     @property
     def speedup(self) -> float:
-        """median baseline time / median speculative time (same tokens, same prompt, same run)."""
-        return statistics.median(b.seconds for b in self.baseline) / statistics.median(
-            s.seconds for s in self.speculative
-        )
+        """speculative tokens/s / baseline tokens/s, medians over the repeats (same prompt, same run).
+
+        Per token, so it stays fair when a near-tie makes one text stop earlier than the other."""
+        return self.tokens_per_second("speculative") / self.tokens_per_second("baseline")
 
     @property
     def tau(self) -> float:

@@ -57,17 +57,27 @@ def _ranked_with_logq(logits: torch.Tensor, k: int, heads) -> tuple[torch.Tensor
     return ids, top.values
 
 
+def heads_dtype(heads: torch.nn.Module) -> torch.dtype:
+    """The floating dtype the heads compute in; it may differ from the target's (see `draft_dtype`)."""
+    for p in heads.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
 class MedusaDrafter:
     """Head d (0-based) on the last accepted feature proposes the tokens at tree depth d+1."""
 
     def __init__(self, heads: MedusaHeads) -> None:
         self.heads = heads
+        self.dtype = heads_dtype(heads)
         self.last_feature: torch.Tensor | None = None
 
     def observe(
         self, next_tokens: torch.Tensor, hidden_states: Sequence[torch.Tensor], positions: torch.Tensor
     ) -> None:
-        self.last_feature = hidden_states[self.heads.config.feature_layers[-1]][0, positions[-1]]
+        feature = hidden_states[self.heads.config.feature_layers[-1]][0, positions[-1]]
+        self.last_feature = feature.to(self.dtype)
 
     @torch.no_grad()
     def draft(self, root_token: int, shape: TreeSpec | DynamicTree) -> Draft:
@@ -104,6 +114,7 @@ class EagleDrafter:
 
     def __init__(self, heads: EagleHead) -> None:
         self.heads = heads
+        self.dtype = heads_dtype(heads)
         self.cache = kv.new_cache()
         self.pending_tokens: list[torch.Tensor] = []
         self.pending_features: list[torch.Tensor] = []
@@ -118,7 +129,7 @@ class EagleDrafter:
         # Slice only the layers the head reads; the others stay untouched (None).
         sliced: list[torch.Tensor | None] = [None] * len(hidden_states)
         for layer in self.heads.config.feature_layers:
-            sliced[layer] = hidden_states[layer][:, positions]
+            sliced[layer] = hidden_states[layer][:, positions].to(self.dtype)
         self.pending_tokens.append(next_tokens.reshape(-1))
         self.pending_features.append(self.heads.fuse_features(sliced)[0])
 

@@ -14,6 +14,7 @@ from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_hea
 from selfdraft.inference.decoding import GenerationOutput, TreeShape, speculative_generate
 from selfdraft.inference.dynamic_tree import DynamicTree
 from selfdraft.inference.lookup import LookupTree, PromptLookup
+from selfdraft.inference.precision import AUTO, parse_dtype, resolve_draft_dtype
 from selfdraft.inference.sampling import SamplingParams
 from selfdraft.inference.target import load_target
 from selfdraft.inference.tree import NAMED_TREES, TreeSpec
@@ -176,7 +177,8 @@ class SelfDraftModel:
         tree: TreeLike | None = None,
         head_kind: str = "eagle",
         attn_implementation: str = "sdpa",
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = torch.float32,
+        draft_dtype: str | torch.dtype | None = AUTO,
         **target_kwargs,
     ) -> SelfDraftModel:
         """Load `target` (embedded name, folder or hub id) and attach heads.
@@ -184,12 +186,24 @@ class SelfDraftModel:
         heads: a checkpoint folder; None for fresh, untrained heads of `head_kind` (still lossless,
         just slower); a HeadsConfig to build fresh heads of that shape; omitted -> the checkpoint
         shipped for this target, or fresh heads if none is shipped.
+        dtype: the target's; greedy output is token-identical to the target's own `generate` in float32.
+        In bfloat16 the target's own argmax depends on how many tokens one forward holds (a
+        near-tie can flip between a 1-token and a 13-token pass), so outputs can part at such ties.
+        draft_dtype: the heads' dtype; None = the target's; "auto" (default) = bfloat16 for a float32
+        target on a CPU with native bf16 (AVX512-BF16, AMX), else the target's. Heads only change
+        speed, so bfloat16 heads on a float32 target keep the output exact and draft about twice as fast.
         """
         model, tokenizer = load_target(
-            target, attn_implementation=attn_implementation, dtype=dtype, **target_kwargs
+            target, attn_implementation=attn_implementation, dtype=parse_dtype(dtype), **target_kwargs
         )
         return cls.with_heads(
-            model, tokenizer, heads, target_name=str(target), tree=tree, head_kind=head_kind
+            model,
+            tokenizer,
+            heads,
+            target_name=str(target),
+            tree=tree,
+            head_kind=head_kind,
+            draft_dtype=draft_dtype,
         )
 
     @classmethod
@@ -202,10 +216,11 @@ class SelfDraftModel:
         target_name: str = "",
         tree: TreeLike | None = None,
         head_kind: str = "eagle",
+        draft_dtype: str | torch.dtype | None = AUTO,
     ) -> SelfDraftModel:
-        """Attach heads (same meaning of `heads` as in `from_pretrained`) to an already loaded target;
-        several models can share one target this way."""
-        dtype = target.get_input_embeddings().weight.dtype
+        """Attach heads (same meaning of `heads` and `draft_dtype` as in `from_pretrained`) to an
+        already loaded target; several models can share one target this way."""
+        dtype = resolve_draft_dtype(draft_dtype, target)
         if heads == SHIPPED:
             heads = shipped_heads_dir(target_name)
             if heads is None:

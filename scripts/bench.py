@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from selfdraft.scripts.options import add_precision_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="bench YAML (configs/bench/default.yaml)")
@@ -23,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output-dir", default=None)
+    add_precision_arguments(parser, with_defaults=False)
 
 
 def load_bench_config(args: argparse.Namespace):
@@ -38,6 +41,8 @@ def load_bench_config(args: argparse.Namespace):
         "max_new_tokens",
         "repeats",
         "threads",
+        "dtype",
+        "draft_dtype",
         "output_dir",
     ):
         value = getattr(args, key)

@@ -13,6 +13,8 @@ import sys
 import torch
 from transformers import TextStreamer
 
+from selfdraft.scripts.options import add_precision_arguments
+
 PROMPTS = [
     "What are three good habits for staying healthy?",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -27,32 +29,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default=None, help="tree shape (default: the checkpoint's tuned tree)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2, help="interleaved timing repeats per prompt")
+    add_precision_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
     from selfdraft.inference.benchmark import compare
-    from selfdraft.inference.model import SHIPPED
+    from selfdraft.inference.drafting import heads_dtype
+    from selfdraft.inference.model import SHIPPED, describe_tree
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     kwargs = {"tree": args.tree} if args.tree else {}
-    model = SelfDraftModel.from_pretrained(args.target, heads=args.heads or SHIPPED, **kwargs)
+    model = SelfDraftModel.from_pretrained(
+        args.target, heads=args.heads or SHIPPED, dtype=args.dtype, draft_dtype=args.draft_dtype, **kwargs
+    )
     print(
-        f"target {args.target} | heads {model.heads.config.head_kind} | tree {model.tree} | "
+        f"target {args.target} ({model.target.dtype}) | heads {model.heads.config.head_kind} "
+        f"({heads_dtype(model.heads)}) | tree {describe_tree(model.tree)} | "
         f"{torch.get_num_threads()} CPU threads\n"
     )
     # warm-up: first calls pay one-off allocation costs that would distort the first ratio
     warm = model.chat_ids("Hi")
     compare(model, warm, 8)
-    speedups, identical = [], True
+    speedups, identical, unexplained = [], 0, 0
     for prompt in PROMPTS:
         code = prompt.startswith("def ")
         ids = model.tokenizer(prompt, return_tensors="pt").input_ids if code else model.chat_ids(prompt)
         print(f">>> {prompt}")
         streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
         result = compare(model, ids, args.max_new_tokens, repeats=args.repeats, streamer=streamer)
-        identical &= result.identical
+        identical += result.identical
         speedups.append(result.speedup)
+        if not result.identical:
+            unexplained += not _explain_divergence(model, ids, result)
         print(
             f"\n[{len(result.speculative[0].tokens)} tokens | tau {result.tau:.2f} (tokens per target pass, "
             f"bonus counted) | {result.tokens_per_second('speculative'):.1f} tok/s vs "
@@ -62,10 +71,33 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"median speedup {statistics.median(speedups):.2f}x over {len(PROMPTS)} prompts (same run, interleaved)"
     )
+    if identical == len(PROMPTS):
+        print("all texts identical to the target's own greedy decoding")
+    else:
+        print(
+            f"{identical} of {len(PROMPTS)} texts identical to the target's own greedy decoding; "
+            + (
+                f"{unexplained} part where the target's own choice is clear: MISMATCH"
+                if unexplained
+                else f"the others part at near-ties of the target's own {model.target.dtype} logits"
+            )
+        )
+    return 1 if unexplained else 0
+
+
+def _explain_divergence(model, ids, result) -> bool:
+    """Print where the speculative text parts from plain decoding; True when it is a near-tie."""
+    from selfdraft.inference.precision import first_divergence
+
+    found = first_divergence(model.target, ids, result.baseline[0].tokens, result.speculative[0].tokens)
+    if found is None:
+        return False
     print(
-        "all texts identical to the target's own greedy decoding" if identical else "MISMATCH: outputs differ"
+        f"[parts from plain decoding at token {found.position}: the target's own logits for the two "
+        f"tokens differ by {found.gap:.4g} ({found.gap_ulps:.1f} ulps of {model.target.dtype})"
+        + (", a near-tie]" if found.near_tie else "]")
     )
-    return 0 if identical else 1
+    return found.near_tie
 
 
 def main() -> int:

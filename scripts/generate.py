@@ -8,6 +8,7 @@ import sys
 from transformers import TextStreamer
 
 from selfdraft.inference.model import SHIPPED
+from selfdraft.scripts.options import add_precision_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,13 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    add_precision_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
 
     heads = None if args.heads.lower() == "none" else args.heads
-    model = SelfDraftModel.from_pretrained(args.target, heads=heads, tree=args.tree, head_kind=args.head_kind)
+    model = SelfDraftModel.from_pretrained(
+        args.target,
+        heads=heads,
+        tree=args.tree,
+        head_kind=args.head_kind,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+    )
     ids = (
         model.tokenizer(args.prompt, return_tensors="pt").input_ids
         if args.raw

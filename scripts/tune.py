@@ -7,6 +7,8 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
+from selfdraft.scripts.options import add_precision_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -23,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None, help="where to write the tree file (default HEADS/tree.yaml)")
+    add_precision_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.inference.prompts import load_prompt_set
     from selfdraft.inference.tune import CANDIDATES, score_trees, tree_description
 
-    model = SelfDraftModel.from_pretrained(args.target, heads=args.heads, tree="chain-1")
+    model = SelfDraftModel.from_pretrained(
+        args.target, heads=args.heads, tree="chain-1", dtype=args.dtype, draft_dtype=args.draft_dtype
+    )
     prompts = [
         model.chat_ids(p.text) if p.chat else model.tokenizer(p.text, return_tensors="pt").input_ids
         for p in load_prompt_set(args.prompts)

@@ -26,6 +26,7 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
                 "max_new_tokens": 12,
                 "repeats": 2,
                 "threads": 1,
+                "draft_dtype": "bfloat16",  # heads in bf16 on the fp32 target: still identical
                 "verify_curve": [1, 2, 4],
                 "output_dir": str(tmp_path / "out"),
             }
@@ -54,6 +55,11 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
     assert set(report["verify_cost_seconds"]) == {"1", "2", "4"}
     assert report["trees"]["selfdraft:none:chain-2"] == "chain of 2"
     assert set(report["trees"]) == {"selfdraft:none", "selfdraft:none:chain-2"}
+    assert report["dtypes"] == {
+        "target": "float32",
+        "selfdraft:none": "bfloat16",
+        "selfdraft:none:chain-2": "bfloat16",
+    }
     table = (out / "bench.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(rows) == len(report["summary"]) + 1 and "bonus" in table  # header + one row each

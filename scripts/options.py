@@ -1,0 +1,22 @@
+"""Command-line options several subcommands share."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser, with_defaults: bool = True) -> None:
+    """--dtype and --draft-dtype; without defaults (None) a config file's values stand."""
+    parser.add_argument(
+        "--dtype",
+        default="float32" if with_defaults else None,
+        help="the target's dtype: float32 (greedy output token-identical to its own generate) or "
+        "bfloat16/float16 (faster on CPUs with native bf16; the target's own argmax then depends on "
+        "the block size, so outputs can part at near-ties)",
+    )
+    parser.add_argument(
+        "--draft-dtype",
+        default="auto" if with_defaults else None,
+        help="the heads' dtype: auto (bfloat16 on CPUs with native bf16, else the target's), or a "
+        "dtype name; heads only change speed, never the output",
+    )

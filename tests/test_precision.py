@@ -1,0 +1,104 @@
+"""Draft dtype choice, ulps, the near-tie diagnostic, and exactness with bf16 heads on a float32 target."""
+
+import pytest
+import torch
+from test_greedy_identity import random_heads
+
+from selfdraft.inference import SelfDraftModel, precision
+from selfdraft.inference.bench import _identical_cell, mark_divergences
+from selfdraft.inference.drafting import heads_dtype
+from selfdraft.inference.precision import first_divergence, native_bf16, parse_dtype, resolve_draft_dtype, ulp
+
+from tiny_models import greedy_reference, tiny_target
+
+
+def test_parse_dtype():
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype("float32") is torch.float32
+    assert parse_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        parse_dtype("int8")
+
+
+def test_native_bf16_flags():
+    sapphire = "processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
+    zen4 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    avx2 = "flags\t\t: fpu sse4_2 avx avx2 fma\n"
+    graviton3 = "Features\t: fp asimd sve bf16 i8mm\n"
+    assert native_bf16(sapphire, "x86_64") and native_bf16(zen4, "x86_64")
+    assert not native_bf16(avx2, "x86_64") and not native_bf16("", "x86_64")
+    assert native_bf16(graviton3, "aarch64") and not native_bf16("Features\t: fp asimd\n", "aarch64")
+
+
+def test_resolve_draft_dtype(monkeypatch):
+    target = tiny_target("llama")
+    assert resolve_draft_dtype(None, target) is torch.float32
+    assert resolve_draft_dtype("bfloat16", target) is torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert resolve_draft_dtype("auto", target) is torch.bfloat16
+    assert resolve_draft_dtype("auto", target.to(torch.float16)) is torch.float16  # never upcasts
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert resolve_draft_dtype("auto", target.to(torch.float32)) is torch.float32
+
+
+def test_ulp():
+    assert ulp(torch.bfloat16, 18.0) == 0.125  # bf16 keeps 8 significant bits: 16..32 step 2**-3
+    assert ulp(torch.bfloat16, -1.5) == 2.0**-7
+    assert ulp(torch.float32, 1.0) == 2.0**-23
+
+
+def test_first_divergence_measures_the_targets_own_gap():
+    target = tiny_target("llama")
+    prompt = torch.tensor([[5, 9, 11]])
+    ref = greedy_reference(target, prompt, 8)
+    assert first_divergence(target, prompt, ref, list(ref)) is None
+    assert first_divergence(target, prompt, ref, ref[:5]) is None  # a prefix is no divergence
+    other = ref[:4] + [(ref[4] + 1) % 96] + ref[5:]
+    found = first_divergence(target, prompt, ref, other)
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt[0].tolist() + ref[:4]])).logits[0, -1]
+    assert found.position == 4 and (found.token_a, found.token_b) == (ref[4], other[4])
+    assert found.gap == pytest.approx(float(logits[ref[4]] - logits[other[4]]), abs=1e-6)
+    assert found.gap > 0  # ref[4] is the argmax
+    assert found.gap_ulps == pytest.approx(found.gap / ulp(torch.float32, float(logits[ref[4]])))
+    assert found.near_tie == (found.gap_ulps <= 2)
+
+
+def test_bench_marks_divergences_and_counts_them():
+    target = tiny_target("llama")
+    prompt = torch.tensor([[5, 9, 11]])
+    ref = greedy_reference(target, prompt, 8)
+    wrong = ref[:2] + [(ref[2] + 3) % 96] + ref[3:]
+    rows = [
+        {"prompt": "p", "method": "baseline", "temperature": 0.0, "repeat": 0, "tokens": ref},
+        {"prompt": "p", "method": "m", "temperature": 0.0, "repeat": 0, "tokens": wrong},
+        {"prompt": "p", "method": "m", "temperature": 1.0, "repeat": 0, "tokens": wrong},
+    ]
+    mark_divergences(target, rows, {"p": prompt})
+    assert rows[1]["divergence"]["position"] == 2 and "divergence" not in rows[2]
+    assert rows[1]["divergence"]["near_tie"] == (rows[1]["divergence"]["gap_ulps"] <= 2)
+    record = {"identical_to_baseline": False, "identical_prompts": 4, "n": 6, "near_tie_prompts": 2}
+    assert _identical_cell(record) == "4/6 (2 near-tie)"
+    assert _identical_cell({**record, "near_tie_prompts": 1}) == "4/6 (1 near-tie) NO"
+    assert _identical_cell({"identical_to_baseline": True}) == "yes"
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_bf16_heads_on_fp32_target_stay_exact(kind):
+    target = tiny_target("llama")
+    heads = random_heads(target, kind, 3, draft_vocab_size=64 if kind == "eagle" else None)
+    model = SelfDraftModel(target, None, heads.to(torch.bfloat16), tree="small")
+    assert heads_dtype(model.heads) is torch.bfloat16 and target.dtype is torch.float32
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
+        out = model.generate(prompt, 24, stop_token_ids=[])
+        assert out.tokens == greedy_reference(target, prompt, 24)
+        assert out.stats.tree_passes >= 1
+
+
+def test_draft_dtype_reaches_loaded_heads(tmp_path):
+    """with_heads(draft_dtype=...) casts fresh heads, and borrowed fp32 projections still work."""
+    target = tiny_target("llama")
+    model = SelfDraftModel.with_heads(target, None, None, head_kind="medusa", draft_dtype="bfloat16")
+    assert heads_dtype(model.heads) is torch.bfloat16
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    assert model.generate(prompt, 10, stop_token_ids=[]).tokens == greedy_reference(target, prompt, 10)
