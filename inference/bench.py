@@ -312,7 +312,7 @@ def markdown_table(report: dict) -> str:
             _fmt(r.get("tree_tokens"), ".1f"),
             _fmt(r["tokens_per_s"], ".1f"),
             _fmt(r["speedup"], ".2f", "x"),
-            _identical_cell(r),
+            identical_cell(r),
             _fmt(r.get("draft_ms_per_step"), ".0f"),
             _fmt(r.get("verify_ms_per_step"), ".0f"),
         ]
@@ -333,14 +333,8 @@ def markdown_table(report: dict) -> str:
     ]
     dtypes = report.get("dtypes")
     if dtypes:
-        lines += [
-            "",
-            "dtypes: "
-            + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
-            + ". identical = greedy tokens equal to the baseline's; k/n (m near-tie): m of the others "
-            "part where the target's own logits for the two tokens are within 2 ulps of its dtype, a "
-            "tie its own numerics break differently for a 1-token and a many-token forward.",
-        ]
+        lines += ["", "dtypes: " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) + "."]
+    lines += ["", NEAR_TIE_NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -352,12 +346,22 @@ def trees_lines(report: dict) -> list[str]:
     return ["", "Trees: " + "; ".join(f"`{label}`: {text}" for label, text in trees.items()) + "."]
 
 
-def _identical_cell(record: dict) -> str:
+NEAR_TIE_NOTE = (
+    "identical = greedy tokens equal to the baseline's. k/n (m near-tie): k of n prompts identical; m of "
+    "the others part where the target's own logits for the two tokens are within 2 ulps of its dtype, "
+    "a tie the target's own numerics break differently in a 1-token and a many-token forward (bf16); "
+    "NO marks a divergence that is not such a tie."
+)
+
+
+def identical_cell(record: dict) -> str:
     """yes | k/n, with how many of the others parted at a near-tie of the target's own logits."""
     if record.get("identical_to_baseline") is None:
         return "-"
     if record["identical_to_baseline"]:
         return "yes"
+    if "identical_prompts" not in record:  # a report written before counts were kept
+        return "NO"
     cell = f"{record['identical_prompts']}/{record['n']}"
     ties = record.get("near_tie_prompts", 0)
     return (

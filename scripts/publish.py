@@ -22,8 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("RUN", "CONFIG"),
         help="an earlier stage this run continued from (heads.init_from), oldest first; repeatable",
     )
-    parser.add_argument("--bench", default=None, help="bench.json measured for these heads")
-    parser.add_argument("--bench-command", default="", help="the command that produced --bench")
+    parser.add_argument(
+        "--bench",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("JSON", "COMMAND"),
+        help="a bench.json measured for these heads and the command that wrote it; repeatable",
+    )
     parser.add_argument("--tree", default=None, help="tree.yaml chosen by `selfdraft tune`")
     parser.add_argument("--tokens", type=int, default=None, help="training tokens (default: from the cache)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -46,10 +52,9 @@ def run(args: argparse.Namespace) -> int:
         args.dest,
         target=args.target,
         config_path=args.config,
-        bench_json=args.bench,
+        benches=[tuple(pair) for pair in args.bench],
         tree_file=args.tree,
         dtype=getattr(torch, args.dtype),
-        bench_command=args.bench_command,
         tokens=tokens,
         earlier=[tuple(pair) for pair in args.earlier],
     )

@@ -85,13 +85,34 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
             }
         )
     )
+    bf16 = tmp_path / "bench-bf16.json"
+    bf16.write_text(
+        json.dumps(
+            {
+                "dtypes": {"target": "bfloat16", "selfdraft:shipped": "bfloat16"},
+                "summary": [
+                    {
+                        "prompts": "sharegpt:4",
+                        "method": "selfdraft:shipped",
+                        "temperature": 0.0,
+                        "n": 4,
+                        "tau": 2.3,
+                        "tokens_per_s": 30.0,
+                        "speedup": 1.6,
+                        "identical_to_baseline": False,
+                        "identical_prompts": 3,
+                        "near_tie_prompts": 1,
+                    },
+                ],
+            }
+        )
+    )
     dest = publish(
         run,
         tmp_path / "card",
         target="smollm2-135m-instruct",
         config_path=config,
-        bench_json=bench,
-        bench_command="selfdraft bench ...",
+        benches=[(bench, "selfdraft bench ..."), (bf16, "selfdraft bench --dtype bfloat16")],
         tokens=12345,
     )
     names = sorted(p.name for p in dest.iterdir())
@@ -115,6 +136,11 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         "selfdraft bench ...",
         "world size 2",
         "speedup on this machine across prompt sets: `selfdraft:shipped` 1.25x-1.25x.",
+        "Command: `selfdraft bench --dtype bfloat16`",
+        "dtypes: target bfloat16, selfdraft:shipped bfloat16.",
+        "| sharegpt:4 | selfdraft:shipped | 0 | 2.30 | 30.0 | 1.60x | 3/4 (1 near-tie) |",
+        "within 2 ulps of its dtype",
+        "`selfdraft:shipped` 1.60x-1.60x.",
     ):
         assert fact in card, fact
 
@@ -135,7 +161,6 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
         tmp_path / "card",
         target="smollm2-135m-instruct",
         config_path=second,
-        bench_json=None,
         earlier=[(tmp_path / "stage1", first)],
     )
     assert (dest / "training_config.stage1.yaml").read_text() == first.read_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from selfdraft.heads.io import load_heads, save_heads
-from selfdraft.inference.bench import trees_lines
+from selfdraft.inference.bench import NEAR_TIE_NOTE, identical_cell, trees_lines
 from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -105,8 +105,43 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     return lines
 
 
-def _bench_rows(bench: dict | None) -> list[dict]:
-    return list((bench or {}).get("summary", []))
+def _bench_lines(bench: dict, command: str) -> list[str]:
+    """One benchmark report as card lines: command, dtypes, the table, trees, verify cost, verdict."""
+    rows = list(bench.get("summary", []))
+    dtypes = bench.get("dtypes", {})
+    lines = [] if "target" not in dtypes else ["", f"### Target in {dtypes['target']}"]
+    lines += ["", f"Command: `{command}`" if command else "Benchmark:"]
+    if dtypes:
+        lines += ["", "dtypes: " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) + "."]
+    lines += [
+        "",
+        "| prompts | method | T | tau | tok/s | speedup vs target generate | identical (T=0) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
+        lines.append(
+            f"| {r['prompts']} | {r['method']} | {r['temperature']:g} | {tau} | "
+            f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {identical_cell(r)} |"
+        )
+    lines += [
+        "",
+        "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
+        "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
+    ]
+    if any(r.get("near_tie_prompts") for r in rows):
+        lines += ["", NEAR_TIE_NOTE]
+    lines += trees_lines(bench)
+    curve = bench.get("verify_cost_seconds", {})
+    if curve:
+        one = curve.get("1") or next(iter(curve.values()))
+        lines += [
+            "",
+            "Verify cost on the same machine (one target pass over b tokens, relative to b = 1): "
+            + ", ".join(f"{b}: {t / one:.2f}x" for b, t in curve.items())
+            + ".",
+        ]
+    return lines + ["", _verdict(rows)]
 
 
 def _verdict(rows: list[dict]) -> str:
@@ -133,8 +168,7 @@ def model_card(
     kind: str,
     stages: Sequence[Stage],
     tokens: int | None,
-    bench: dict | None,
-    bench_command: str,
+    benches: Sequence[tuple[dict, str]],
     repo_path: str,
 ) -> str:
     base = BASE_MODELS.get(target, target)
@@ -152,7 +186,8 @@ def model_card(
         "",
         f"Draft heads for lossless speculative decoding of **{base}** with "
         "selfdraft. The heads only change speed: greedy output is "
-        "token-identical to the target's own decoding and sampled output follows the target's distribution.",
+        "token-identical to the target's own decoding (float32; in bfloat16 up to the target's own "
+        "near-ties, see Measured) and sampled output follows the target's distribution.",
         "",
         "## Load",
         "",
@@ -169,41 +204,9 @@ def model_card(
     ]
     lines += _training_lines(stages, tokens)
     lines += ["", "## Measured"]
-    rows = _bench_rows(bench)
-    if rows:
-        lines += [
-            "",
-            f"Command: `{bench_command}`",
-            "",
-            "| prompts | method | T | tau | tok/s | speedup vs target generate | identical (T=0) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
-            same = (
-                "-" if "identical_to_baseline" not in r else ("yes" if r["identical_to_baseline"] else "NO")
-            )
-            lines.append(
-                f"| {r['prompts']} | {r['method']} | {r['temperature']:g} | {tau} | "
-                f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {same} |"
-            )
-        lines += [
-            "",
-            "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
-            "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
-        ]
-        lines += trees_lines(bench or {})
-        curve = (bench or {}).get("verify_cost_seconds", {})
-        if curve:
-            one = curve.get("1") or next(iter(curve.values()))
-            lines += [
-                "",
-                "Verify cost on the same machine (one target pass over b tokens, relative to b = 1): "
-                + ", ".join(f"{b}: {t / one:.2f}x" for b, t in curve.items())
-                + ".",
-            ]
-        lines += ["", _verdict(rows)]
-    else:
+    for bench, command in benches:
+        lines += _bench_lines(bench, command)
+    if not benches:
         lines += ["", "No benchmark was recorded for this checkpoint."]
     return "\n".join(lines) + "\n"
 
@@ -214,10 +217,9 @@ def publish(
     *,
     target: str,
     config_path: str | Path,
-    bench_json: str | Path | None,
+    benches: Sequence[tuple[str | Path, str]] = (),
     tree_file: str | Path | None = None,
     dtype: torch.dtype = torch.float16,
-    bench_command: str = "",
     train_command: str = "",
     tokens: int | None = None,
     repo_path: str | None = None,
@@ -227,6 +229,7 @@ def publish(
 
     earlier: (run_dir, config_path) of the stages the run continued from (`heads.init_from`), oldest
     first; the card states every stage and the folder keeps each stage's config.
+    benches: (bench.json, the command that wrote it) for each benchmark the card reports.
     """
     run_dir, dest = Path(run_dir), Path(dest)
     heads = load_heads(run_dir / "heads")
@@ -239,15 +242,13 @@ def publish(
     (tmp / "training_config.yaml").write_text(stages[-1].config_text)
     if tree_file:
         shutil.copy(tree_file, tmp / "tree.yaml")
-    bench = json.loads(Path(bench_json).read_text()) if bench_json else None
     (tmp / "README.md").write_text(
         model_card(
             target=target,
             kind=heads.config.head_kind,
             stages=stages,
             tokens=tokens,
-            bench=bench,
-            bench_command=bench_command,
+            benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
             repo_path=repo_path or str(dest),
         )
     )
