@@ -60,14 +60,15 @@ def run(args: argparse.Namespace) -> int:
         result = compare(model, ids, args.max_new_tokens, repeats=args.repeats, streamer=streamer)
         identical += result.identical
         speedups.append(result.speedup)
-        if not result.identical:
-            unexplained += not _explain_divergence(model, ids, result)
         print(
             f"\n[{len(result.speculative[0].tokens)} tokens | tau {result.tau:.2f} (tokens per target pass, "
             f"bonus counted) | {result.tokens_per_second('speculative'):.1f} tok/s vs "
             f"{result.tokens_per_second('baseline'):.1f} tok/s plain | speedup {result.speedup:.2f}x | "
-            f"identical to plain decoding: {'yes' if result.identical else 'NO'}]\n"
+            f"identical to plain decoding: {'yes' if result.identical else 'NO'}]"
         )
+        if not result.identical:
+            unexplained += not _explain_divergence(model, ids, result)
+        print()
     print(
         f"median speedup {statistics.median(speedups):.2f}x over {len(PROMPTS)} prompts (same run, interleaved)"
     )
