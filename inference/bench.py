@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from selfdraft.inference.benchmark import Timed, run_baseline, run_speculative
 from selfdraft.inference.drafting import heads_dtype
 from selfdraft.inference.model import SHIPPED, SelfDraftModel, describe_tree
-from selfdraft.inference.precision import first_divergence, parse_dtype
+from selfdraft.inference.precision import first_divergence, float32_reference, parse_dtype
 from selfdraft.inference.prompts import Prompt, load_prompt_set
 from selfdraft.inference.target import load_target
 
@@ -216,17 +216,22 @@ def run_bench(config: BenchConfig) -> dict:
 
 def mark_divergences(target, rows: list[dict], prompt_ids: dict[str, torch.Tensor]) -> None:
     """Greedy rows whose tokens differ from the baseline's get a "divergence" entry: where they part
-    and how far apart the target's own logits for the two tokens are there (see precision.Divergence)."""
+    and how far apart the target's logits for the two tokens are there (see precision.Divergence)."""
     base = {
         (r["prompt"], r["repeat"]): r["tokens"]
         for r in rows
         if r["method"] == "baseline" and r["temperature"] == 0.0
     }
+    reference = None  # a float32 copy of a low-precision target, made only if something diverged
     for r in rows:
         key = (r["prompt"], r["repeat"])
         if r["temperature"] != 0.0 or r["method"] == "baseline" or key not in base:
             continue
-        found = first_divergence(target, prompt_ids[r["prompt"]], base[key], r["tokens"])
+        if base[key] == r["tokens"]:
+            continue
+        if reference is None:
+            reference = float32_reference(target)
+        found = first_divergence(target, prompt_ids[r["prompt"]], base[key], r["tokens"], reference)
         if found is not None:
             r["divergence"] = {**asdict(found), "near_tie": found.near_tie}
 
@@ -348,8 +353,8 @@ def trees_lines(report: dict) -> list[str]:
 
 NEAR_TIE_NOTE = (
     "identical = greedy tokens equal to the baseline's. k/n (m near-tie): k of n prompts identical; m of "
-    "the others part where the target's own logits for the two tokens are within 2 ulps of its dtype, "
-    "a tie the target's own numerics break differently in a 1-token and a many-token forward (bf16); "
+    "the others part where the target's two logits, computed in float32, are within 2 ulps of its own "
+    "dtype: a tie its rounding breaks differently in a 1-token and a many-token forward (bf16). "
     "NO marks a divergence that is not such a tie."
 )
 

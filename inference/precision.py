@@ -3,12 +3,14 @@
 Heads only decide which tokens the target is asked to verify, so they may compute in a cheaper dtype
 than the target without changing a single output token. The target's own dtype is the user's choice:
 in float32 greedy output is token-identical to `target.generate`; in bfloat16 the target's argmax
-itself depends on how many tokens one forward holds, and `near_tie` is how a benchmark shows that a
-divergence is one of those ties and not a verification error.
+itself depends on how many tokens one forward holds, and `first_divergence` is how a benchmark shows
+that a divergence is one of those ties (float32 puts the two tokens within the target dtype's
+rounding step) and not a verification error.
 """
 
 from __future__ import annotations
 
+import copy
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
@@ -82,11 +84,12 @@ def ulp(dtype: torch.dtype, magnitude: float) -> float:
 
 @dataclass(frozen=True)
 class Divergence:
-    """Where two greedy outputs first differ, and how the target itself scores the two tokens there.
+    """Where two greedy outputs first differ, and how close the two tokens are for the target.
 
-    gap_ulps: |logit(a) - logit(b)| from one plain forward over prompt + common prefix, in units of
-    the logits' dtype spacing at that magnitude. A gap of a few ulps is a tie the target's own
-    numerics decide differently at different block sizes; a large gap means a real error.
+    gap: |logit(a) - logit(b)| computed in float32 by one plain forward over prompt + common prefix
+    (float32 stands in for exact arithmetic); gap_ulps: that gap in units of the target dtype's
+    spacing at that magnitude. Within 2 ulps, the target's own rounding can order the two tokens
+    either way, and a 1-token and a many-token forward do; a larger gap means a real error.
     """
 
     position: int
@@ -100,15 +103,32 @@ class Divergence:
         return self.gap_ulps <= 2.0
 
 
+def float32_reference(target: torch.nn.Module) -> torch.nn.Module:
+    """The target itself when it computes in float32, else a float32 copy (same weights, upcast)."""
+    if target.get_input_embeddings().weight.dtype == torch.float32:
+        return target
+    return copy.deepcopy(target).to(torch.float32)
+
+
 @torch.no_grad()
-def first_divergence(target, prompt_ids: torch.Tensor, a: list[int], b: list[int]) -> Divergence | None:
-    """prompt_ids: [1, T]; a, b: generated token lists. None when one is a prefix of the other."""
+def first_divergence(
+    target,
+    prompt_ids: torch.Tensor,
+    a: list[int],
+    b: list[int],
+    reference: torch.nn.Module | None = None,
+) -> Divergence | None:
+    """prompt_ids: [1, T]; a, b: generated token lists. None when one is a prefix of the other.
+
+    reference: `float32_reference(target)`, passed in to build it once for many calls.
+    """
     k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     if k is None:
         return None
+    reference = reference if reference is not None else float32_reference(target)
     prefix = torch.tensor([a[:k]], dtype=torch.long, device=prompt_ids.device)
-    logits = target(input_ids=torch.cat([prompt_ids, prefix], dim=1)).logits[0, -1]
+    logits = reference(input_ids=torch.cat([prompt_ids, prefix], dim=1)).logits[0, -1].float()
     la, lb = float(logits[a[k]]), float(logits[b[k]])
     gap = abs(la - lb)
-    step = ulp(logits.dtype, max(abs(la), abs(lb)))
+    step = ulp(target.get_input_embeddings().weight.dtype, max(abs(la), abs(lb)))
     return Divergence(position=k, token_a=a[k], token_b=b[k], gap=gap, gap_ulps=gap / step)

@@ -9,7 +9,14 @@ from test_greedy_identity import random_heads
 from selfdraft.inference import SelfDraftModel, precision
 from selfdraft.inference.bench import identical_cell, mark_divergences
 from selfdraft.inference.drafting import heads_dtype
-from selfdraft.inference.precision import first_divergence, native_bf16, parse_dtype, resolve_draft_dtype, ulp
+from selfdraft.inference.precision import (
+    first_divergence,
+    float32_reference,
+    native_bf16,
+    parse_dtype,
+    resolve_draft_dtype,
+    ulp,
+)
 
 from tiny_models import greedy_reference, tiny_target
 
@@ -65,6 +72,24 @@ def test_first_divergence_measures_the_targets_own_gap():
     assert not found.near_tie  # a token the target clearly ranks lower is no tie at float32
 
 
+def test_low_precision_divergence_is_measured_in_float32():
+    """A bf16 target's gap is computed by a float32 copy and counted in bf16 ulps."""
+    target = tiny_target("llama")
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    reference = float32_reference(bf16)
+    assert reference is not bf16 and reference.dtype is torch.float32 and bf16.dtype is torch.bfloat16
+    assert float32_reference(target) is target
+    prompt = torch.tensor([[5, 9, 11]])
+    ref = greedy_reference(target, prompt, 6)
+    other = ref[:3] + [(ref[3] + 1) % 96] + ref[4:]
+    found = first_divergence(bf16, prompt, ref, other)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt[0].tolist() + ref[:3]])).logits[0, -1]
+    la, lb = float(logits[ref[3]]), float(logits[other[3]])
+    assert found.gap == pytest.approx(abs(la - lb), abs=1e-6)
+    assert found.gap_ulps == pytest.approx(abs(la - lb) / ulp(torch.bfloat16, max(abs(la), abs(lb))))
+
+
 def test_bench_marks_divergences_and_counts_them():
     target = tiny_target("llama")
     prompt = torch.tensor([[5, 9, 11]])
@@ -108,8 +133,8 @@ def test_draft_dtype_reaches_loaded_heads(tmp_path):
 
 def test_smollm_bf16_target_parts_from_generate_only_at_near_ties(smollm):
     """A bfloat16 target with the shipped heads: every greedy text equals `generate`'s or parts from it
-    where the target's own logits for the two tokens are within 2 bf16 ulps. A verification error (a
-    wrong mask, a stale cache row) would part where the target's choice is clear."""
+    where float32 puts the two tokens within 2 bf16 ulps. A verification error (a wrong mask, a stale
+    cache row) would part where the target's choice is clear."""
     target, tokenizer = smollm
     bf16 = copy.deepcopy(target).to(torch.bfloat16)
     model = SelfDraftModel.with_heads(bf16, tokenizer, target_name="smollm2-135m-instruct")
@@ -121,6 +146,6 @@ def test_smollm_bf16_target_parts_from_generate_only_at_near_ties(smollm):
         ref = ref[0, ids.shape[1] :].tolist()
         out = model.generate(ids, 48)
         taus.append(out.stats.mean_accepted)
-        found = first_divergence(bf16, ids, ref, out.tokens)
+        found = first_divergence(bf16, ids, ref, out.tokens, reference=target)  # target: float32
         assert found is None or found.near_tie, found
     assert max(taus) > 1.5  # the trained heads really drafted accepted blocks
