@@ -336,11 +336,17 @@ def markdown_table(report: dict) -> str:
         "method / tokens/s of the baseline on the same prompt (median over prompts), same run, "
         "methods interleaved per prompt.",
     ]
-    dtypes = report.get("dtypes")
-    if dtypes:
-        lines += ["", "dtypes: " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) + "."]
+    lines += dtypes_lines(report)
     lines += ["", NEAR_TIE_NOTE]
     return "\n".join(lines) + "\n"
+
+
+def dtypes_lines(report: dict) -> list[str]:
+    """Markdown lines naming the target's and each method's heads' dtype (empty when not recorded)."""
+    dtypes = report.get("dtypes", {})
+    if not dtypes:
+        return []
+    return ["", "dtypes: " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) + "."]
 
 
 def trees_lines(report: dict) -> list[str]:

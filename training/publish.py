@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from selfdraft.heads.io import load_heads, save_heads
-from selfdraft.inference.bench import NEAR_TIE_NOTE, identical_cell, trees_lines
+from selfdraft.inference.bench import NEAR_TIE_NOTE, dtypes_lines, identical_cell, trees_lines
 from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -111,8 +111,7 @@ def _bench_lines(bench: dict, command: str) -> list[str]:
     dtypes = bench.get("dtypes", {})
     lines = [] if "target" not in dtypes else ["", f"### Target in {dtypes['target']}"]
     lines += ["", f"Command: `{command}`" if command else "Benchmark:"]
-    if dtypes:
-        lines += ["", "dtypes: " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) + "."]
+    lines += dtypes_lines(bench)
     lines += [
         "",
         "| prompts | method | T | tau | tok/s | speedup vs target generate | identical (T=0) |",
