@@ -8,7 +8,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 HEAD_KINDS = ("medusa", "eagle")
 # "selfdraft": our EAGLE head (a 1-layer body of the target's own class); "eagle1" / "eagle3": the
-# published EAGLE-1 / EAGLE-3 head architectures (selfdraft.heads.published), for converted checkpoints.
+# published EAGLE-1 / EAGLE-3 head architectures (selfdraft.heads.foreign.modules), for converted checkpoints.
 EAGLE_LAYOUTS = ("selfdraft", "eagle1", "eagle3")
 
 
@@ -25,7 +25,7 @@ class HeadsConfig(PretrainedConfig):
     target_config: the target's config as a dict (EAGLE builds a 1-layer decoder from it).
     eagle_layout: which EAGLE head architecture (see EAGLE_LAYOUTS); only "selfdraft" is our own.
     eagle_layer_config: for "eagle1"/"eagle3", the published decoder layer's own dimensions (hidden,
-        heads, RoPE, biases, ...; see selfdraft.heads.published.LAYER_KEYS); None derives them from
+        heads, RoPE, biases, ...; see selfdraft.heads.foreign.modules.LAYER_KEYS); None derives them from
         target_config.
     eagle_own_embedding: the head carries its own token embedding (a converted checkpoint whose
         embedding is not the target's) instead of borrowing the target's.

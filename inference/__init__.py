@@ -1,19 +1,8 @@
-"""Inference: target loading, trees, drafting, verification, acceptance and the generate loop."""
+"""Inference: drafters, acceptance, the generate loop and `SelfDraftModel`."""
 
-from importlib import import_module
+from selfdraft.inference.model import SelfDraftModel
+from selfdraft.inference.sampling import SamplingParams
+from selfdraft.target import load_target
+from selfdraft.tree import TreeSpec
 
-# Resolved lazily so that `selfdraft.heads` can use `selfdraft.inference.kv` without an import cycle.
-_EXPORTS = {
-    "SelfDraftModel": "selfdraft.inference.model",
-    "SamplingParams": "selfdraft.inference.sampling",
-    "load_target": "selfdraft.inference.target",
-    "TreeSpec": "selfdraft.inference.tree",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'selfdraft.inference' has no attribute {name!r}")
+__all__ = ["SamplingParams", "SelfDraftModel", "TreeSpec", "load_target"]

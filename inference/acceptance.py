@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from selfdraft.inference.sampling import sample
-from selfdraft.inference.tree import TreeSpec
+from selfdraft.tree import TreeSpec
 
 Variant = Literal["iid", "without_replacement", "deterministic"]
 VARIANTS: tuple[Variant, ...] = ("iid", "without_replacement", "deterministic")

@@ -1,4 +1,5 @@
-"""The speculative generate loop: prefill, then draft -> verify -> accept -> compact until done."""
+"""The speculative generate loop: prefill, then draft -> verify (one target pass over the tree) ->
+accept -> compact, until a stop token, the budget or the context ends it."""
 
 from __future__ import annotations
 
@@ -8,17 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfdraft.inference import kv
+from selfdraft import kv
+from selfdraft.errors import UserError
 from selfdraft.inference.acceptance import AcceptResult, accept_greedy, accept_rejection, accept_typical
 from selfdraft.inference.drafting import make_drafter
-from selfdraft.inference.dynamic_tree import DynamicTree
-from selfdraft.inference.lookup import LookupTree, graft_chain, lookup_continuation
 from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
-from selfdraft.inference.target import max_context
-from selfdraft.inference.tree import TreeSpec
-from selfdraft.inference.verify import TargetPass, prefill, verify_tree
-
-TreeShape = TreeSpec | DynamicTree | LookupTree
+from selfdraft.target import max_context
+from selfdraft.tree import TreeShape, TreeSpec, tree_attention_mask, tree_position_ids
 
 ACCEPTANCE_MODES = ("rejection", "typical")
 
@@ -66,19 +63,6 @@ class GenerationStats:
             self.depth_offered[d] += 1
             self.depth_accepted[d] += int(accepted > d)
 
-    def as_dict(self) -> dict:
-        return {
-            "target_forwards": self.target_forwards,
-            "tree_passes": self.tree_passes,
-            "mean_accepted": self.mean_accepted,
-            "per_depth_acceptance": self.per_depth_acceptance,
-            "prefill_time": self.prefill_time,
-            "draft_time": self.draft_time,
-            "verify_time": self.verify_time,
-            "total_time": self.total_time,
-            "finish_reason": self.finish_reason,
-        }
-
 
 @dataclass
 class GenerationOutput:
@@ -90,6 +74,40 @@ class GenerationOutput:
         return len(self.tokens) / self.stats.total_time if self.stats.total_time else 0.0
 
 
+@dataclass(frozen=True)
+class TargetPass:
+    """logits: [N, V] next-token logits at each node; hidden_states: tuple of [1, N, h] per layer."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+
+
+@torch.no_grad()
+def prefill(target, input_ids: torch.Tensor, cache) -> TargetPass:
+    """Plain causal forward over the prompt input_ids: [1, T] (fills `cache`)."""
+    out = target(input_ids=input_ids, output_hidden_states=True, **kv.cache_kwargs(target, cache))
+    return TargetPass(logits=out.logits[0], hidden_states=tuple(out.hidden_states))
+
+
+@torch.no_grad()
+def verify_tree(target, cache, tokens: torch.Tensor, spec: TreeSpec) -> TargetPass:
+    """Run the target once on the tree: tokens [N] at positions prefix + depth, ancestor-only mask.
+
+    The tree's N keys/values are appended to `cache`; the caller compacts it to the accepted path.
+    """
+    prefix = kv.cache_length(cache)
+    dtype = target.get_input_embeddings().weight.dtype
+    device = tokens.device
+    out = target(
+        input_ids=tokens[None],
+        attention_mask=tree_attention_mask(spec, prefix, dtype=dtype, device=device),
+        position_ids=tree_position_ids(spec, prefix, device=device),
+        output_hidden_states=True,
+        **kv.cache_kwargs(target, cache),
+    )
+    return TargetPass(logits=out.logits[0], hidden_states=tuple(out.hidden_states))
+
+
 def _accept(
     passed: TargetPass, tokens: torch.Tensor, spec: TreeSpec, sampling: SamplingParams, mode: str, generator
 ) -> AcceptResult:
@@ -98,7 +116,7 @@ def _accept(
     p = warp_probs(passed.logits, sampling)
     if mode == "typical":
         return accept_typical(p, tokens, spec, generator=generator)
-    # Children are the heads' deterministic top-k picks: variant C is the exact rule for them.
+    # Children are deterministic picks (heads' top-k, a looked-up branch): the exact rule for them.
     return accept_rejection(p, tokens, spec, variant="deterministic", q=None, generator=generator)
 
 
@@ -134,13 +152,13 @@ def speculative_generate(
     streamer: anything with transformers' streamer interface (`put(tensor)`, `end()`).
     """
     if acceptance not in ACCEPTANCE_MODES:
-        raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
+        raise UserError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
     if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     limit = max_context(target)
     prompt_len = input_ids.shape[1]
     if limit is not None and prompt_len >= limit:
-        raise ValueError(
+        raise UserError(
             f"the prompt has {prompt_len} tokens but the target's context holds {limit}; shorten the prompt"
         )
     stops = set(int(t) for t in stop_token_ids)
@@ -185,10 +203,7 @@ def speculative_generate(
             stats.finish_reason = "context"
             break
         t0 = time.perf_counter()
-        draft = drafter.draft(root, shape.base if isinstance(shape, LookupTree) else shape)
-        tree, tokens = draft.spec, draft.tokens  # a dynamic shape becomes a concrete TreeSpec here
-        if isinstance(shape, LookupTree):
-            tree, tokens = graft_chain(tree, tokens, lookup_continuation(context, shape.lookup))
+        tree, tokens = shape.draft(drafter, root, context)  # a concrete TreeSpec, whatever the shape
         t1 = time.perf_counter()
         passed = verify_tree(target, cache, tokens.to(input_ids.device), tree)
         result = _accept(passed, tokens, tree, sampling, acceptance, generator)

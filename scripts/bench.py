@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_bench_config(args: argparse.Namespace):
-    from selfdraft.inference.bench import BenchConfig
-    from selfdraft.training.config import build_dataclass
+    from selfdraft.bench.run import BenchConfig
+    from selfdraft.typed_config import build_dataclass
 
     raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     for key in (
@@ -52,7 +52,7 @@ def load_bench_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.inference.bench import run_bench, write_report
+    from selfdraft.bench.run import run_bench, write_report
 
     config = load_bench_config(args)
     report = run_bench(config)

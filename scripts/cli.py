@@ -6,6 +6,8 @@ import argparse
 import sys
 from importlib import import_module
 
+from selfdraft.errors import UserError
+
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 COMMANDS = {
     "generate": ("selfdraft.scripts.generate", "generate text with a target and draft heads"),
@@ -32,13 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         import_module(module).add_arguments(cmd)
+        cmd.add_argument("--debug", action="store_true", help="show the traceback of a user error")
         cmd.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. A `UserError` prints one line (`selfdraft CMD: problem; fix`) and exits 2;
+    `--debug` shows its traceback instead. Any other exception is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
-    return int(import_module(args._module).run(args) or 0)
+    try:
+        return int(import_module(args._module).run(args) or 0)
+    except UserError as err:
+        if args.debug:
+            raise
+        print(f"selfdraft {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,16 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.heads.convert import convert_heads
-    from selfdraft.heads.io import CorruptCheckpointError, read_heads_config
-    from selfdraft.inference.target import load_target
+    from selfdraft.heads.folder import read_heads_config
+    from selfdraft.heads.foreign.convert import convert_heads
+    from selfdraft.target import load_target
 
     target = load_target(args.target)[0] if args.target else None
-    try:
-        out = convert_heads(args.src, args.dst, target)
-    except (CorruptCheckpointError, ValueError, FileNotFoundError) as err:
-        print(f"selfdraft convert: {err}", file=sys.stderr)
-        return 2
+    out = convert_heads(args.src, args.dst, target)
     config = read_heads_config(out)
     layout = (config.converted_from or {}).get("layout")
     print(f"converted {args.src} ({layout}) -> {out} [{config.head_kind}, layout {config.eagle_layout}]")

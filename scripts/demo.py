@@ -13,7 +13,7 @@ import sys
 import torch
 from transformers import TextStreamer
 
-from selfdraft.inference.precision import first_divergence, float32_reference
+from selfdraft.bench.divergence import first_divergence, float32_reference
 from selfdraft.scripts.options import add_precision_arguments
 
 PROMPTS = [
@@ -34,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from selfdraft.bench.timing import compare
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.inference.benchmark import compare
     from selfdraft.inference.drafting import heads_dtype
-    from selfdraft.inference.model import SHIPPED, describe_tree
+    from selfdraft.inference.model import SHIPPED
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     kwargs = {"tree": args.tree} if args.tree else {}
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"target {args.target} ({model.target.dtype}) | heads {model.heads.config.head_kind} "
-        f"({heads_dtype(model.heads)}) | tree {describe_tree(model.tree)} | "
+        f"({heads_dtype(model.heads)}) | tree {model.tree.describe()} | "
         f"{torch.get_num_threads()} CPU threads\n"
     )
     # warm-up: first calls pay one-off allocation costs that would distort the first ratio

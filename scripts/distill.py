@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from selfdraft.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -18,14 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.inference.target import load_target
+    from selfdraft.corpora import load_source
+    from selfdraft.target import load_target
     from selfdraft.training.data import regenerate_assistant_turns
-    from selfdraft.training.sources import load_source
 
     target, tokenizer = load_target(args.target)
     records = [r for r in load_source(args.source) if "messages" in r]
     if not records:
-        raise SystemExit(f"{args.source} has no chat records to regenerate")
+        raise UserError(f"{args.source} has no chat records to regenerate")
     out = regenerate_assistant_turns(
         target, tokenizer, records, args.out, args.max_new_tokens, args.batch_size
     )

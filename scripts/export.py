@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,13 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.heads.export import export_heads
-    from selfdraft.heads.io import CorruptCheckpointError
+    from selfdraft.heads.foreign.export import export_heads
 
-    try:
-        out = export_heads(args.src, args.dst, args.engine, args.verifier, args.speculative_tokens)
-    except (CorruptCheckpointError, ValueError, FileNotFoundError) as err:
-        print(f"selfdraft export: {err}", file=sys.stderr)
-        return 2
+    out = export_heads(args.src, args.dst, args.engine, args.verifier, args.speculative_tokens)
     print(f"exported {args.src} -> {out} for {args.engine}")
     return 0

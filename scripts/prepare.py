@@ -15,7 +15,7 @@ def prepare_from_config(
     config_path: str, output_dir: str | None = None, batch_size: int = 8, fill_cache: bool = True
 ) -> None:
     """Data splits, then the feature cache (unless `fill_cache` is False, e.g. a partial-cache run)."""
-    from selfdraft.inference.target import load_target
+    from selfdraft.target import load_target
     from selfdraft.training.config import load_run_config
     from selfdraft.training.prepare import cache_ready, prepare_features, prepare_splits
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from selfdraft.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="run config YAML")
@@ -23,7 +25,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"]
     if args.nnodes > 1:
         if not args.rdzv_endpoint:
-            raise SystemExit("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+            raise UserError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
         cmd += [
             f"--nnodes={args.nnodes}",
             f"--node_rank={args.node_rank}",

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
+from selfdraft.errors import UserError
 from selfdraft.scripts.options import add_precision_arguments
 
 
@@ -29,15 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.inference.model import (
-        TREE_FILE,
-        SelfDraftModel,
-        max_tree_tokens,
-        resolve_tree,
-        write_tree_file,
-    )
-    from selfdraft.inference.prompts import load_prompt_set
-    from selfdraft.inference.tune import CANDIDATES, score_trees, tree_description
+    from selfdraft.bench.prompts import load_prompt_set
+    from selfdraft.bench.tune import CANDIDATES, score_trees, tree_description
+    from selfdraft.inference.model import TREE_FILE, SelfDraftModel
+    from selfdraft.tree_syntax import resolve_tree, write_tree_file
 
     model = SelfDraftModel.from_pretrained(
         args.target, heads=args.heads, tree="chain-1", dtype=args.dtype, draft_dtype=args.draft_dtype
@@ -48,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     ]
     candidates = args.candidates or CANDIDATES
     if args.max_tree_tokens is not None:
-        candidates = [c for c in candidates if max_tree_tokens(resolve_tree(c)) <= args.max_tree_tokens]
+        candidates = [c for c in candidates if resolve_tree(c).max_tokens <= args.max_tree_tokens]
         if not candidates:
-            raise SystemExit(f"no candidate tree fits in {args.max_tree_tokens} tokens")
+            raise UserError(f"no candidate tree fits in {args.max_tree_tokens} tokens")
     scores = score_trees(model, prompts, candidates, args.max_new_tokens)
     print(
         f"{'tree':42s} {'tau':>5s} {'size':>5s} {'draft ms':>8s} {'verify ms':>9s} {'expected':>8s} {'measured':>8s}"

@@ -16,7 +16,7 @@ def _threads(request):
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded real target (SmolLM2-135M-Instruct), loaded once per test session."""
-    from selfdraft.inference.target import load_target
+    from selfdraft.target import load_target
 
     return load_target("smollm2-135m-instruct")
 
@@ -26,7 +26,7 @@ def tiny_target_dir(tmp_path_factory):
     """A tiny random Llama saved with the real SmolLM2 tokenizer (so the chat template is real)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from selfdraft.inference.target import resolve_target_path
+    from selfdraft.target import resolve_target_path
 
     from tiny_models import COMMON
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from selfdraft.inference.drafting import Draft
-
 
 class OracleDrafter:
     """Rank `correct_rank` at each depth is the reference token; every other rank is a wrong token.
@@ -29,15 +27,27 @@ class OracleDrafter:
     def _wrong(self, right: int, salt: int) -> int:
         return (right + 1 + salt) % self.vocab
 
-    def draft(self, root_token: int, spec) -> Draft:
+    def begin(self, root_token: int, max_depth: int) -> None:
         self.calls += 1
-        miss = self.miss_every and self.calls % self.miss_every == 0
-        tokens = torch.empty(spec.size, dtype=torch.long)
-        tokens[0] = root_token
-        for i in range(1, spec.size):
-            at = self.known + spec.depths[i]  # index of this node's token in the reference
-            right = self.reference[at] if at < len(self.reference) else 0
-            on_path = all(spec.ranks[a] == self.correct_rank for a in spec.path_to(i)[1:])
-            good = on_path and spec.ranks[i] == self.correct_rank and not miss
-            tokens[i] = right if good else self._wrong(right, spec.ranks[i])
-        return Draft(spec=spec, tokens=tokens)
+        self.miss = bool(self.miss_every and self.calls % self.miss_every == 0)
+
+    def children(self, grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self.known + depth + 1  # index of the children's token in the reference
+        right = self.reference[at] if at < len(self.reference) else 0
+        ids = torch.empty(len(nodes), k, dtype=torch.long)
+        for row, u in enumerate(nodes):
+            on_path = True
+            while u > 0:
+                on_path &= grown.ranks[u] == self.correct_rank
+                u = grown.parents[u]
+            for r in range(k):
+                good = on_path and r == self.correct_rank and not self.miss
+                ids[row, r] = right if good else self._wrong(right, r)
+        logq = -torch.arange(k, dtype=torch.float32).expand(len(nodes), k)  # rank order
+        return ids, logq
+
+    def feed(self, grown, nodes: list[int], depth: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass

@@ -2,10 +2,10 @@
 
 import torch
 
+from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
-from selfdraft.inference import kv
+from selfdraft.inference.decoding import prefill
 from selfdraft.inference.drafting import EagleDrafter
-from selfdraft.inference.verify import prefill
 
 from tiny_models import tiny_target
 

@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from selfdraft.inference.sampling import SamplingParams, warp_probs
+
 # The critical value uses the Wilson-Hilferty approximation chi2_{df,1-alpha} ~= df (1 - 2/(9 df) +
 # z sqrt(2/(9 df)))^3 with z = 3.7190 (the N(0,1) 1 - 1e-4 quantile); for df = 1..63 it is within ~7%
 # of the exact value and on the conservative (larger) side. Any count in a cell of exact probability 0
@@ -29,3 +31,13 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]
     obs, exp = obs[keep], exp[keep]
     stat = float(((obs - exp) ** 2 / exp).sum())
     return stat, chi2_critical(max(len(exp) - 1, 1))
+
+
+def exact_two_token_law(target, prompt: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """P(x1, x2) = p(x1 | prompt) p(x2 | prompt, x1), warped like the sampler: [V, V]."""
+    V = target.config.vocab_size
+    with torch.no_grad():
+        p1 = warp_probs(target(prompt).logits[0, -1].double(), params)
+        batch = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], dim=1)
+        p2 = warp_probs(target(batch).logits[:, -1].double(), params)
+    return p1[:, None] * p2

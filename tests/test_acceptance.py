@@ -27,7 +27,7 @@ from selfdraft.inference.acceptance import (
     residual,
 )
 from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
-from selfdraft.inference.tree import TreeSpec
+from selfdraft.tree import TreeSpec
 
 from stats import chi_square
 

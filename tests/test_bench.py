@@ -70,7 +70,7 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
 def test_prompt_sets(tmp_path):
     import pytest
 
-    from selfdraft.inference.prompts import load_prompt_set
+    from selfdraft.bench.prompts import load_prompt_set
 
     humaneval = load_prompt_set("humaneval:4")
     assert len(humaneval) == 4 and humaneval[0].id == "HumanEval/0" and not humaneval[0].chat

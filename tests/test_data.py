@@ -11,16 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from selfdraft.training import data, sources
-from selfdraft.training.data import (
-    HELDOUT_FILE,
-    build_dataset,
-    is_heldout,
-    regenerate_assistant_turns,
-    render_chat,
-    render_text,
-)
-from selfdraft.training.sources import (
+from selfdraft import corpora as sources
+from selfdraft.corpora import (
     iter_json_array,
     load_python_source,
     load_sharegpt,
@@ -28,6 +20,14 @@ from selfdraft.training.sources import (
     read_sharegpt_records,
     sharegpt_path,
     sharegpt_to_messages,
+)
+from selfdraft.training import data
+from selfdraft.training.data import (
+    HELDOUT_FILE,
+    build_dataset,
+    is_heldout,
+    regenerate_assistant_turns,
+    render_chat,
 )
 
 RECORD_START = '\n  {\n    "id": '  # how the shipped file (json.dumps indent=2) starts each record
@@ -37,7 +37,7 @@ RECORD_START = '\n  {\n    "id": '  # how the shipped file (json.dumps indent=2)
 def tok():
     from transformers import AutoTokenizer
 
-    from selfdraft.inference.target import resolve_target_path
+    from selfdraft.target import resolve_target_path
 
     return AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
 
@@ -207,7 +207,7 @@ def test_assistant_first_or_unrenderable_conversation_is_rejected(tok):
 
 def test_plain_text_windows_cover_every_token(tok):
     text = "def f(x):\n    return x + 1\n" * 50
-    windows = render_text(tok, text, max_length=64)
+    windows = data.render_records(tok, [{"id": "t", "text": text}], max_length=64)[0]
     ids = tok(text)["input_ids"]
     assert [t for w in windows for t in w["input_ids"]] == ids
     assert all(len(w["input_ids"]) <= 64 and all(w["loss_mask"]) for w in windows)

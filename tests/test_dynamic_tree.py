@@ -5,62 +5,69 @@ import math
 import pytest
 import torch
 
+from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.dynamic_tree import DynamicTree, grow, select_tree
-from selfdraft.inference.model import resolve_tree
+from selfdraft.tree import DynamicTree
+from selfdraft.tree_syntax import resolve_tree
 
 from reference_heads import eagle_after_prompt, reference_tokens
 from tiny_models import greedy_reference, tiny_target
 
 
-def _table_expand(seed: int, k: int):
+class TableDrafter:
     """Children log-probs from a fixed random table keyed by (depth, node): a pure, known drafter."""
-    gen = torch.Generator().manual_seed(seed)
-    table: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def expand(nodes, depth):
+    def __init__(self, seed: int, k: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.k = k
+        self.table: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fed: list[tuple[int, int]] = []
+        self.ended = False
+
+    def begin(self, root_token, max_depth):
+        pass
+
+    def children(self, grown, nodes, depth, k):
         ids, logq = [], []
         for u in nodes:
-            if (depth, u) not in table:
-                logits = torch.randn(20, generator=gen) * 2
+            if (depth, u) not in self.table:
+                logits = torch.randn(20, generator=self.gen) * 2
                 top = torch.topk(torch.log_softmax(logits, -1), k)
-                table[(depth, u)] = (top.indices, top.values)
-            ids.append(table[(depth, u)][0])
-            logq.append(table[(depth, u)][1])
+                self.table[(depth, u)] = (top.indices, top.values)
+            ids.append(self.table[(depth, u)][0])
+            logq.append(self.table[(depth, u)][1])
         return torch.stack(ids), torch.stack(logq)
 
-    return expand
+    def feed(self, grown, nodes, depth):
+        self.fed.append((depth, len(nodes)))
+        self.grown = grown
+
+    def end(self):
+        self.ended = True
 
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("policy", [DynamicTree(3, 2, 5), DynamicTree(4, 3, 10), DynamicTree(2, 4, 30)])
 def test_selection_is_best_scoring_and_ancestor_closed(seed, policy):
-    cands = []
-    fed_depths = []
-    grow(
-        policy,
-        7,
-        _table_expand(seed, policy.top_k),
-        lambda nodes, d: fed_depths.append((d, len(nodes))),
-        cands,
-    )
+    drafter = TableDrafter(seed, policy.top_k)
+    spec, tokens = policy.draft(drafter, 7)
+    grown = drafter.grown
     # every expanded frontier is the top_k of its depth by cumulative score
-    assert all(n <= policy.top_k for _, n in fed_depths) and [d for d, _ in fed_depths] == list(
+    assert all(n <= policy.top_k for _, n in drafter.fed) and [d for d, _ in drafter.fed] == list(
         range(1, policy.depth)
     )
-    spec, tokens = select_tree(cands, policy.total_tokens)
-    assert tokens[0] == 7 and spec.max_depth <= policy.depth
-    n_drafted = min(policy.total_tokens, len(cands) - 1)
+    assert drafter.ended and tokens[0] == 7 and spec.max_depth <= policy.depth
+    n_drafted = min(policy.total_tokens, len(grown.tokens) - 1)
     assert spec.size - 1 >= n_drafted
     # the kept scores dominate every dropped candidate
-    kept_scores = sorted((c.score for c in cands[1:]), reverse=True)[:n_drafted]
+    kept_scores = sorted(grown.scores[1:], reverse=True)[:n_drafted]
     threshold = kept_scores[-1]
     for node in range(1, spec.size):
         path = spec.path_to(node)
         assert len(path) - 1 == spec.depths[node]
-    assert sum(1 for c in cands[1:] if c.score > threshold + 1e-9) <= n_drafted
-    assert all(math.isfinite(c.score) and c.score <= 0 for c in cands)
+    assert sum(1 for score in grown.scores[1:] if score > threshold + 1e-9) <= n_drafted
+    assert all(math.isfinite(score) and score <= 0 for score in grown.scores)
 
 
 def test_resolve_dynamic_names():
@@ -74,13 +81,11 @@ def test_resolve_dynamic_names():
 def test_eagle_dynamic_draft_matches_recomputation(arch):
     heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=3)
     with torch.no_grad():
-        draft = drafter.draft(root, DynamicTree(depth=3, top_k=3, total_tokens=8))
+        spec, tokens = DynamicTree(depth=3, top_k=3, total_tokens=8).draft(drafter, root)
         # the dynamic tree's nodes are exactly what the head proposes along each path (ranks included)
-        expected = reference_tokens(
-            heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), draft.spec, 3
-        )
-    assert draft.tokens.tolist() == expected
-    assert draft.spec.size == 9 and drafter.length == 5
+        expected = reference_tokens(heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 3)
+    assert tokens.tolist() == expected
+    assert spec.size == 9 and kv.cache_length(drafter.cache) == 5
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])

@@ -3,14 +3,13 @@
 import pytest
 import torch
 
-from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.decoding import speculative_generate
 from selfdraft.inference.sampling import SamplingParams
-from selfdraft.inference.tree import NAMED_TREES, TreeSpec
+from selfdraft.tree import NAMED_TREES, TreeSpec
 
 from oracle import OracleDrafter
-from tiny_models import greedy_reference, tiny_target
+from tiny_models import greedy_reference, random_heads, tiny_target
 
 PROMPTS = [
     "What is the capital of France?",
@@ -23,18 +22,6 @@ PROMPTS = [
     "What does HTTP stand for?",
 ]
 NEW_TOKENS = 20
-
-
-def random_heads(target, kind: str, seed: int, draft_vocab_size=None):
-    """Heads with random (not zero) weights, so drafts are arbitrary but deterministic."""
-    torch.manual_seed(seed)
-    heads = build_heads(
-        HeadsConfig.for_target(target.config, head_kind=kind, draft_vocab_size=draft_vocab_size)
-    )
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.02)
-    return heads
 
 
 @pytest.fixture(scope="module")

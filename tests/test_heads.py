@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from selfdraft.heads import HeadsConfig, HeadsMismatchError, build_heads, load_heads, save_heads
-from selfdraft.heads.io import CorruptCheckpointError
+from selfdraft.heads.folder import CorruptCheckpointError
 
 from tiny_models import tiny_target
 

@@ -16,15 +16,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from selfdraft.heads import HeadsConfig, build_heads, load_heads, save_heads
-from selfdraft.heads.convert import UnknownLayoutError, convert_heads
-from selfdraft.heads.export import ExportError, export_heads
-from selfdraft.heads.io import CorruptCheckpointError, HeadsMismatchError
+from selfdraft.heads.folder import CorruptCheckpointError, HeadsMismatchError
+from selfdraft.heads.foreign.convert import UnknownLayoutError, convert_heads
+from selfdraft.heads.foreign.export import ExportError, export_heads
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.kv import new_cache
-from selfdraft.inference.target import prepare_target
+from selfdraft.kv import new_cache
 from selfdraft.scripts import cli
 from selfdraft.scripts import convert as convert_cmd
 from selfdraft.scripts import export as export_cmd
+from selfdraft.target import prepare_target
 
 from tiny_models import greedy_reference, tiny_target
 

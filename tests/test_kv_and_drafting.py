@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
-from selfdraft.inference import kv
+from selfdraft.inference.decoding import prefill, verify_tree
 from selfdraft.inference.drafting import MedusaDrafter
-from selfdraft.inference.tree import NAMED_TREES, TreeSpec
-from selfdraft.inference.verify import prefill, verify_tree
+from selfdraft.tree import NAMED_TREES, TreeSpec
 
 from reference_heads import eagle_after_prompt, reference_tokens
 from tiny_models import tiny_target
@@ -51,12 +51,12 @@ def test_crop_and_errors():
 def test_eagle_tree_drafting_matches_cache_free_recomputation(arch, spec):
     heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=2)
     with torch.no_grad():
-        draft = drafter.draft(root, spec)
+        _, tokens = spec.draft(drafter, root)
         expected = reference_tokens(
             heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 4
         )
-    assert draft.tokens.tolist() == expected
-    assert drafter.length == 5  # the tree's entries were cropped from the head's cache
+    assert tokens.tolist() == expected
+    assert kv.cache_length(drafter.cache) == 5  # the tree's entries were cropped from the head's cache
 
 
 def test_medusa_drafting_uses_head_per_depth():
@@ -69,11 +69,11 @@ def test_medusa_drafting_uses_head_per_depth():
     drafter = MedusaDrafter(heads)
     drafter.observe(torch.tensor([1, 2, 3]), (hidden,), torch.arange(3))
     spec = NAMED_TREES["small"]
-    draft = drafter.draft(7, spec)
+    _, tokens = spec.draft(drafter, 7)
     with torch.no_grad():
         logits = heads.logits(hidden[0, -1])
     for i in range(1, spec.size):
         top = torch.topk(logits[spec.depths[i] - 1], spec.ranks[i] + 1).indices
-        assert draft.tokens[i] == top[spec.ranks[i]]
+        assert tokens[i] == top[spec.ranks[i]]
     with pytest.raises(ValueError, match="Medusa heads"):
-        drafter.draft(7, TreeSpec.chain(5))
+        TreeSpec.chain(5).draft(drafter, 7)

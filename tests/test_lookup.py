@@ -3,17 +3,14 @@ output stays the target's (greedy identity; the two-token law under sampling).""
 
 import pytest
 import torch
-from test_greedy_identity import random_heads
-from test_sampling_target import _exact_two_token_law
 
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.lookup import LookupTree, PromptLookup, graft_chain, lookup_continuation
-from selfdraft.inference.model import max_tree_tokens, read_tree_file, resolve_tree, write_tree_file
 from selfdraft.inference.sampling import SamplingParams
-from selfdraft.inference.tree import TreeSpec
+from selfdraft.tree import LookupTree, PromptLookup, TreeSpec, graft_chain, lookup_continuation
+from selfdraft.tree_syntax import read_tree_file, resolve_tree, write_tree_file
 
-from stats import chi_square
-from tiny_models import greedy_reference, tiny_target
+from stats import chi_square, exact_two_token_law
+from tiny_models import greedy_reference, random_heads, tiny_target
 
 
 def test_lookup_takes_the_latest_occurrence_of_the_longest_ngram():
@@ -51,9 +48,9 @@ def test_tree_syntax_and_tree_file(tmp_path):
     assert tree == LookupTree(TreeSpec.chain(3), PromptLookup(tokens=4))
     assert tree.max_depth == 4
     # the most tokens one pass may verify, root included: what `selfdraft tune --max-tree-tokens` caps
-    assert max_tree_tokens(tree) == 4 + 4
-    assert max_tree_tokens(resolve_tree("dynamic:depth=4,top_k=4,total_tokens=10+lookup=5")) == 11 + 5
-    assert max_tree_tokens(resolve_tree("small")) == resolve_tree("small").size
+    assert tree.max_tokens == 4 + 4
+    assert resolve_tree("dynamic:depth=4,top_k=4,total_tokens=10+lookup=5").max_tokens == 11 + 5
+    assert resolve_tree("small").max_tokens == resolve_tree("small").size
     assert resolve_tree("dynamic:depth=4,top_k=2,total_tokens=8+lookup").lookup == PromptLookup()
     for bad in ("chain-3+lookup=x", "chain-3+lookup+lookup", "nope+lookup"):
         with pytest.raises(ValueError):
@@ -117,6 +114,6 @@ def test_two_token_law_with_lookup_branch():
         out = model.generate(prompt, 2, temperature=1.0, stop_token_ids=[])
         counts[out.tokens[0], out.tokens[1]] += 1
         grafted += int(out.stats.tree_tokens > 2 * out.stats.tree_passes)  # chain-1 alone verifies 2
-    stat, critical = chi_square(counts, _exact_two_token_law(target, prompt, params))
+    stat, critical = chi_square(counts, exact_two_token_law(target, prompt, params))
     assert stat <= critical, f"chi2 {stat:.1f} > {critical:.1f}"
     assert grafted > 1000  # the lookup branch was in the verified tree, not only the heads' chain

@@ -4,21 +4,16 @@ import copy
 
 import pytest
 import torch
-from test_greedy_identity import random_heads
 
-from selfdraft.inference import SelfDraftModel, precision
-from selfdraft.inference.bench import identical_cell, mark_divergences
+from selfdraft import precision
+from selfdraft.bench.divergence import first_divergence, float32_reference, ulp
+from selfdraft.bench.report import identical_cell
+from selfdraft.bench.run import mark_divergences
+from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.drafting import heads_dtype
-from selfdraft.inference.precision import (
-    first_divergence,
-    float32_reference,
-    native_bf16,
-    parse_dtype,
-    resolve_draft_dtype,
-    ulp,
-)
+from selfdraft.precision import native_bf16, parse_dtype, resolve_draft_dtype
 
-from tiny_models import greedy_reference, tiny_target
+from tiny_models import greedy_reference, random_heads, tiny_target
 
 
 def test_parse_dtype():

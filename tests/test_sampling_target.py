@@ -5,26 +5,16 @@ Gate: chi-square goodness of fit at alpha = 1e-4 (tests/stats.py), fixed seeds.
 
 import pytest
 import torch
-from test_greedy_identity import random_heads
 
-from selfdraft.inference import SelfDraftModel, kv
+from selfdraft import kv
+from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import accept_rejection
+from selfdraft.inference.decoding import prefill, verify_tree
 from selfdraft.inference.sampling import SamplingParams, warp_probs
-from selfdraft.inference.tree import TreeSpec
-from selfdraft.inference.verify import prefill, verify_tree
+from selfdraft.tree import TreeSpec
 
-from stats import chi_square
-from tiny_models import tiny_target
-
-
-def _exact_two_token_law(target, prompt: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """P(x1, x2) = p(x1 | prompt) p(x2 | prompt, x1), warped like the sampler: [V, V]."""
-    V = target.config.vocab_size
-    with torch.no_grad():
-        p1 = warp_probs(target(prompt).logits[0, -1].double(), params)
-        batch = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], dim=1)
-        p2 = warp_probs(target(batch).logits[:, -1].double(), params)
-    return p1[:, None] * p2
+from stats import chi_square, exact_two_token_law
+from tiny_models import random_heads, tiny_target
 
 
 @pytest.mark.parametrize(
@@ -54,7 +44,7 @@ def test_full_generate_loop_two_token_law(kind, tree, params):
         )
         counts[out.tokens[0], out.tokens[1]] += 1
         accepted += sum(out.stats.accepted_lengths)
-    stat, critical = chi_square(counts, _exact_two_token_law(target, prompt, params))
+    stat, critical = chi_square(counts, exact_two_token_law(target, prompt, params))
     assert stat <= critical, f"chi2 {stat:.1f} > {critical:.1f}"
     assert accepted > 50  # the accept branch was exercised, not only corrections
     print(f"{kind} {tree}: chi2 {stat:.1f} <= {critical:.1f}, drafted tokens accepted: {accepted}")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from selfdraft.heads.projection import DraftVocab
-from selfdraft.inference.tree import TreeSpec
 from selfdraft.training.simulate import MISS, DepthRanks, label_ranks, simulated_tau
+from selfdraft.tree import TreeSpec
 
 
 def test_label_ranks_with_and_without_draft_vocab():

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from selfdraft.inference import target as target_mod
-from selfdraft.inference.target import EMBEDDED, load_target, max_context, prepare_target
+from selfdraft import target as target_mod
+from selfdraft.target import EMBEDDED, load_target, max_context, prepare_target
 
 from tiny_models import tiny_target
 

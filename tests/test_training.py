@@ -148,9 +148,9 @@ def test_configs_in_repo_parse():
         load_run_config(path)
     for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
         assert "zero_optimization" in json.loads(path.read_text())
-    from selfdraft.inference.bench import BenchConfig
-    from selfdraft.inference.model import resolve_tree
-    from selfdraft.training.config import build_dataclass
+    from selfdraft.bench.run import BenchConfig
+    from selfdraft.tree_syntax import resolve_tree
+    from selfdraft.typed_config import build_dataclass
 
     for path in sorted((ROOT / "configs" / "bench").glob("*.yaml")):
         build_dataclass(BenchConfig, yaml.safe_load(path.read_text()))

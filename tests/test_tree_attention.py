@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from selfdraft.inference import kv
-from selfdraft.inference.tree import NAMED_TREES, TreeSpec, tree_attention_mask
-from selfdraft.inference.verify import prefill, verify_tree
+from selfdraft import kv
+from selfdraft.inference.decoding import prefill, verify_tree
+from selfdraft.tree import NAMED_TREES, TreeSpec, tree_attention_mask
 
 from tiny_models import CONFIGS, tiny_target
 
@@ -45,7 +45,7 @@ def test_mask_is_float_additive():
 
 
 def test_retrieve_indices_lists_each_root_to_leaf_path():
-    from selfdraft.inference.tree import retrieve_indices
+    from selfdraft.tree import retrieve_indices
 
     rows = retrieve_indices(RAGGED).tolist()
     leaves = [i for i in range(RAGGED.size) if not RAGGED.children[i]]

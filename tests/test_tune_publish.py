@@ -5,10 +5,11 @@ from pathlib import Path
 
 import torch
 
+from selfdraft.bench.tune import interpolate, score_trees, tree_description
 from selfdraft.heads import HeadsConfig, build_heads, save_heads
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.model import TREE_FILE, resolve_tree, write_tree_file
-from selfdraft.inference.tune import interpolate, score_trees, tree_description
+from selfdraft.inference.model import TREE_FILE
+from selfdraft.tree_syntax import resolve_tree, write_tree_file
 
 
 def test_interpolation_of_verify_curve():

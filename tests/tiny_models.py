@@ -11,7 +11,8 @@ from transformers import (
     Qwen2Config,
 )
 
-from selfdraft.inference.target import prepare_target
+from selfdraft.heads import HeadsConfig, build_heads
+from selfdraft.target import prepare_target
 
 COMMON = dict(
     vocab_size=96,
@@ -54,3 +55,15 @@ def greedy_reference(target, prompt: torch.Tensor, max_new_tokens: int) -> list[
         pad_token_id=0,
     )
     return out[0, prompt.shape[1] :].tolist()
+
+
+def random_heads(target, kind: str, seed: int, draft_vocab_size=None):
+    """Heads with random (not zero) weights, so drafts are arbitrary but deterministic."""
+    torch.manual_seed(seed)
+    heads = build_heads(
+        HeadsConfig.for_target(target.config, head_kind=kind, draft_vocab_size=draft_vocab_size)
+    )
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.02)
+    return heads

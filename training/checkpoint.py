@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from selfdraft.heads.io import save_heads
+from selfdraft.heads.folder import save_heads
 
 RUN_FILE = "run.json"
 

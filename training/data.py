@@ -7,7 +7,6 @@ of plain text). The mask is on the *label* token; objectives shift it together w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,7 +18,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from selfdraft.training.sources import load_source
+from selfdraft.corpora import load_source
+from selfdraft.splits import is_heldout
 
 logger = logging.getLogger(__name__)
 
@@ -164,16 +164,12 @@ def _text_windows(ids: list[int], max_length: int) -> list[dict[str, list[int]]]
     return [{"input_ids": w, "loss_mask": [1] * len(w)} for w in windows if len(w) >= 2]
 
 
-def render_text(tokenizer, text: str, max_length: int) -> list[dict[str, list[int]]]:
-    """Plain text -> consecutive windows of at most max_length tokens, loss on every token.
-
-    Windows rather than one truncated row: a stdlib module is often 10-50x max_length tokens.
-    """
-    return _text_windows(list(tokenizer(text, add_special_tokens=True)["input_ids"]), max_length)
-
-
 def render_records(tokenizer, records: Sequence[dict], max_length: int) -> list[list[dict] | str]:
-    """Records ({"messages"} or {"text"}) -> per record its token rows, or the reason it cannot render."""
+    """Records ({"messages"} or {"text"}) -> per record its token rows, or the reason it cannot render.
+
+    Plain text becomes consecutive windows of at most max_length tokens with loss on every token,
+    rather than one truncated row: a stdlib module is often 10-50x max_length tokens.
+    """
     out: list[list[dict] | str] = [[] for _ in records]
     chats = [i for i, record in enumerate(records) if "messages" in record]
     texts = [i for i, record in enumerate(records) if "messages" not in record]
@@ -189,25 +185,6 @@ def render_records(tokenizer, records: Sequence[dict], max_length: int) -> list[
 
 
 # ------------------------------------------------------------------------------------------------- splits
-
-
-def split_key(record: dict) -> str:
-    """What decides a record's split: its prompts (system/user turns) or its text, never its answers.
-
-    Keyed on content, not ids, so an exact duplicate under another id and a self-distilled copy (same
-    prompts, regenerated answers) always land on the same side as the original.
-    """
-    if "messages" in record:
-        prompts = [[m["role"], m["content"]] for m in record["messages"] if m["role"] != "assistant"]
-        payload = json.dumps(prompts, ensure_ascii=False)
-    else:
-        payload = record["text"]
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
-
-
-def is_heldout(record: dict, heldout_fraction: float) -> bool:
-    """Deterministic, seed-independent membership: the first 8 bytes of the key as a uniform in [0, 1)."""
-    return int(split_key(record)[:16], 16) / 2**64 < heldout_fraction
 
 
 def _load_sources(sources: Sequence[str | Iterable[dict]]) -> list[dict]:

@@ -27,6 +27,8 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
+from selfdraft.errors import MissingFileError
+
 INDEX_FILE = "index.json"
 CACHE_VERSION = 1
 
@@ -247,12 +249,12 @@ class HiddenStateCache(torch.utils.data.Dataset):
         shards = self.index["shards"]
         missing = [s["name"] for s in shards if not (self.root / s["name"]).is_dir()]
         if missing and not allow_partial:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{self.root}: {len(missing)} shards not written yet; rerun cache_hidden_states to resume"
             )
         self._shards = [k for k, s in enumerate(shards) if s["name"] not in set(missing)]
         if not self._shards:
-            raise FileNotFoundError(f"{self.root}: no finished shard yet")
+            raise MissingFileError(f"{self.root}: no finished shard yet")
         self.layers: list[int] = self.index["layers"]
         # global index over the finished shards only: shard k's examples start at _starts[pos]
         counts = [shards[k]["count"] for k in self._shards]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from selfdraft.heads.io import load_heads, save_heads
-from selfdraft.inference.bench import NEAR_TIE_NOTE, dtypes_lines, identical_cell, trees_lines
+from selfdraft.bench.run import NEAR_TIE_NOTE, dtypes_lines, identical_cell, trees_lines
+from selfdraft.heads import load_heads, save_heads
 from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}

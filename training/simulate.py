@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfdraft.inference.tree import TreeSpec
+from selfdraft.tree import TreeSpec
 
 MISS = 1 << 30  # rank of a token the draft cannot propose (outside its vocabulary)
 

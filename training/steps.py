@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from selfdraft import kv
 from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.medusa import MedusaHeads
-from selfdraft.inference import kv
 from selfdraft.training.objectives import eagle_loss, forward_kl, medusa_loss, ttt_weights
 from selfdraft.training.simulate import DepthRanks, label_ranks
 

@@ -20,9 +20,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from selfdraft.heads import HeadsConfig, build_heads, load_heads
-from selfdraft.inference.model import resolve_tree
-from selfdraft.inference.target import load_target
-from selfdraft.inference.tree import TreeSpec
+from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.batches import SampleStream, collate
 from selfdraft.training.config import RunConfig, load_run_config
@@ -32,6 +30,8 @@ from selfdraft.training.objectives import build_draft_vocab, count_tokens
 from selfdraft.training.prepare import cache_ready, feature_layers, prepare_features, prepare_splits
 from selfdraft.training.simulate import simulated_tau
 from selfdraft.training.steps import StepOutput, eagle_step, medusa_step
+from selfdraft.tree import TreeSpec
+from selfdraft.tree_syntax import resolve_tree
 
 EVAL_DEPTHS = 4
 

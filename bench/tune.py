@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from selfdraft.inference.bench import verify_cost_curve
-from selfdraft.inference.model import SelfDraftModel, resolve_tree
+from selfdraft.bench.run import verify_cost_curve
+from selfdraft.inference.model import SelfDraftModel
+from selfdraft.tree_syntax import resolve_tree
 
 CANDIDATES = [
     "chain-1",

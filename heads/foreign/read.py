@@ -2,7 +2,7 @@
 
 `read_checkpoint` loads a folder's config and weights (pickles only through
 `torch.load(weights_only=True)`); `detect_layout` names its layout from the tensor names and shapes
-alone. Conversion into selfdraft's own modules lives in `selfdraft.heads.convert`.
+alone. Conversion into selfdraft's own modules lives in `selfdraft.heads.foreign.convert`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from selfdraft.heads.io import CONFIG_NAME, CorruptCheckpointError, read_safetensors
+from selfdraft.errors import MissingFileError
+from selfdraft.heads.folder import CONFIG_NAME, CorruptCheckpointError, read_safetensors
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 LAYOUTS = {
@@ -68,7 +69,7 @@ def load_pickled_tensors(path: Path) -> dict[str, torch.Tensor]:
 def read_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"heads checkpoint folder {path} does not exist")
+        raise MissingFileError(f"heads checkpoint folder {path} does not exist")
     config: dict = {}
     if (path / CONFIG_NAME).is_file():
         try:

@@ -15,7 +15,7 @@ contradict is never trusted (the official Medusa config states the wrong head co
 
 Exact vs approximate: Medusa-1 heads run as our MedusaHeads (own vocab projection per head) on the
 target's last, post-norm hidden state, exactly as Medusa feeds them. EAGLE-1 and EAGLE-3 heads run in
-`selfdraft.heads.published.PublishedEagleHead`, which computes the published forward (see that
+`selfdraft.heads.foreign.modules.ForeignEagleHead`, which computes the published forward (see that
 module); EAGLE-1 reads the post-norm last hidden state (what the EAGLE reference feeds its head: the
 base model's output, which its lm_head reads) and EAGLE-3 the pre-norm inputs of its fused layers, both
 available exactly in transformers' `output_hidden_states`. An embedded `embed_tokens.weight` equal to
@@ -33,15 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from selfdraft.heads.checkpoint_files import (
-    MEDUSA_KEY,
-    Checkpoint,
-    UnknownLayoutError,
-    detect_layout,
-    read_checkpoint,
-)
 from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.io import (
+from selfdraft.heads.folder import (
     CorruptCheckpointError,
     Heads,
     HeadsMismatchError,
@@ -50,11 +43,18 @@ from selfdraft.heads.io import (
     load_state_strict,
     save_heads,
 )
-from selfdraft.heads.published import eagle3_default_layers, rope_kwargs
+from selfdraft.heads.foreign.modules import eagle3_default_layers, rope_kwargs
+from selfdraft.heads.foreign.read import (
+    MEDUSA_KEY,
+    Checkpoint,
+    UnknownLayoutError,
+    detect_layout,
+    read_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnknownLayoutError", "convert_checkpoint", "convert_heads", "load_any_heads", "read_checkpoint"]
+__all__ = ["UnknownLayoutError", "convert_checkpoint", "convert_heads", "read_checkpoint"]
 
 
 def _text_config(target: nn.Module):
@@ -191,7 +191,7 @@ def _layer_config(src: dict, tensors: dict[str, torch.Tensor], prefix: str, hidd
 
 
 def _rename_layer(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """Published names -> PublishedEagleHead names (layer prefix, d2t/t2d under draft_vocab)."""
+    """Published names -> ForeignEagleHead names (layer prefix, d2t/t2d under draft_vocab)."""
     out = {}
     for name, tensor in tensors.items():
         if name.startswith(prefix):
@@ -373,14 +373,9 @@ def _build(ckpt: Checkpoint, target: nn.Module | None, dtype: torch.dtype) -> He
     return heads
 
 
-def load_any_heads(
-    path: str | Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32
-) -> Heads:
-    """Heads from a folder in any known layout (converted in memory); attached to `target` if given."""
-    heads = _build(read_checkpoint(path), target, dtype)
-    if target is not None:
-        heads.attach(target)
-    return heads.eval()
+def load_foreign_heads(path: str | Path, target: nn.Module | None, dtype: torch.dtype) -> Heads:
+    """Heads from a folder in a foreign layout, converted in memory (not yet attached)."""
+    return _build(read_checkpoint(path), target, dtype)
 
 
 def convert_heads(src: str | Path, dst: str | Path, target: nn.Module | None = None) -> Path:

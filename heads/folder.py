@@ -1,4 +1,4 @@
-"""Build, save and load heads: `config.json` + `model.safetensors`, heads' own tensors only."""
+"""Our heads folder: `config.json` + `model.safetensors` (heads' own tensors only); build, check, save, read."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from selfdraft.errors import MissingFileError, UserError
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.eagle import EagleHead
+from selfdraft.heads.foreign.modules import ForeignEagleHead
 from selfdraft.heads.medusa import MedusaHeads
-from selfdraft.heads.published import PublishedEagleHead
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -22,20 +23,20 @@ HEAD_CLASSES: dict[str, type[nn.Module]] = {"medusa": MedusaHeads, "eagle": Eagl
 # EAGLE heads whose eagle_layout is a published architecture (converted checkpoints).
 PUBLISHED_EAGLE_LAYOUTS = ("eagle1", "eagle3")
 
-Heads = MedusaHeads | EagleHead | PublishedEagleHead
+Heads = MedusaHeads | EagleHead | ForeignEagleHead
 
 
-class HeadsMismatchError(ValueError):
+class HeadsMismatchError(UserError):
     """Heads built for a different target."""
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(UserError):
     """A heads checkpoint that cannot be read or does not match its own config."""
 
 
 def build_heads(config: HeadsConfig) -> Heads:
     if config.head_kind == "eagle" and config.eagle_layout in PUBLISHED_EAGLE_LAYOUTS:
-        return PublishedEagleHead(config)
+        return ForeignEagleHead(config)
     return HEAD_CLASSES[config.head_kind](config)
 
 
@@ -80,7 +81,7 @@ def save_heads(heads: Heads, directory: str | Path, dtype: torch.dtype | None = 
 def read_heads_config(directory: Path) -> HeadsConfig:
     path = directory / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: not a heads checkpoint folder")
+        raise MissingFileError(f"no {CONFIG_NAME} in {directory}: not a heads checkpoint folder")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -95,7 +96,7 @@ def read_heads_config(directory: Path) -> HeadsConfig:
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
-        raise FileNotFoundError(f"missing weights file {path}")
+        raise MissingFileError(f"missing weights file {path}")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
@@ -129,26 +130,11 @@ def is_selfdraft_folder(directory: Path) -> bool:
         return (directory / CONFIG_NAME).is_file()
 
 
-def load_heads(
-    directory: str | Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32
-) -> Heads:
-    """Load heads saved by `save_heads`; with `target`, check compatibility and attach to it.
-
-    A folder in another project's layout (Medusa-1, EAGLE-1, EAGLE-3, SGLang, vLLM speculators) is
-    converted in memory by `selfdraft.heads.convert.load_any_heads`; our own format is the fast path.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"heads checkpoint folder {directory} does not exist")
-    if not is_selfdraft_folder(directory):
-        from selfdraft.heads.convert import load_any_heads  # convert imports this module
-
-        return load_any_heads(directory, target, dtype=dtype)
+def load_own_heads(directory: Path, target: nn.Module | None, dtype: torch.dtype) -> Heads:
+    """Heads from a folder in our own format (see `selfdraft.heads.load.load_heads`)."""
     config = read_heads_config(directory)
     if target is not None:
         check_compatible(config, target.config)
     heads = build_heads(config).to(dtype)
     load_state_strict(heads, read_safetensors(directory / WEIGHTS_NAME), directory / WEIGHTS_NAME)
-    if target is not None:
-        heads.attach(target)
-    return heads.eval()
+    return heads

@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.io import CONFIG_NAME, WEIGHTS_NAME, read_heads_config, read_safetensors
-from selfdraft.heads.published import layer_config_from_target
+from selfdraft.heads.folder import CONFIG_NAME, WEIGHTS_NAME, read_heads_config, read_safetensors
+from selfdraft.heads.foreign.modules import layer_config_from_target
 
 ENGINES = ("vllm", "sglang")
 LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
@@ -211,7 +211,7 @@ def engine_config(
 
 
 def engine_tensors(state: dict[str, torch.Tensor], engine: str) -> dict[str, torch.Tensor]:
-    """Our PublishedEagleHead tensor names -> the names `engine` loads (values untouched)."""
+    """Our ForeignEagleHead tensor names -> the names `engine` loads (values untouched)."""
     out = {}
     for name, tensor in state.items():
         if name.startswith("layer."):

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from selfdraft.inference.kv import check_model_takes_cache
+from selfdraft.errors import MissingFileError
+from selfdraft.kv import check_model_takes_cache
 
 ATTENTION_BACKENDS = ("sdpa", "eager")
 CACHE_ENV = "SELFDRAFT_CACHE"
@@ -78,11 +79,11 @@ def _locate_part(dist: str, relpath: str, model: EmbeddedModel) -> Path:
     try:
         path = Path(str(metadata.distribution(dist).locate_file(relpath)))
     except metadata.PackageNotFoundError as err:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"embedded target {model.name!r} needs the package {dist!r}: {model.install_hint}"
         ) from err
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{dist} is installed but {relpath} is missing; reinstall: {model.install_hint}"
         )
     return path

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfdraft import kv
 from selfdraft.inference.decoding import GenerationOutput
 from selfdraft.inference.model import SelfDraftModel
+from selfdraft.tree import block_causal_mask
 
 
 @dataclass
@@ -101,3 +103,26 @@ def compare(
         result.speculative.append(timed)
         result.outputs.append(out)
     return result
+
+
+def verify_cost_curve(target, sizes: list[int], prefix_len: int = 128, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one target pass over a block of b tokens after a cached prefix, per b."""
+    prefix = torch.randint(100, 1000, (1, prefix_len), generator=torch.Generator().manual_seed(0))
+    cache = kv.new_cache()
+    with torch.no_grad():
+        target(input_ids=prefix, **kv.cache_kwargs(target, cache))
+        times: dict[int, list[float]] = {b: [] for b in sizes}
+        for _ in range(repeats):
+            for b in sizes:  # sizes interleaved within each repeat, so drift hits them all alike
+                block = torch.randint(100, 1000, (1, b))
+                start = time.perf_counter()
+                target(
+                    input_ids=block,
+                    attention_mask=block_causal_mask(b, prefix_len),
+                    position_ids=torch.arange(prefix_len, prefix_len + b)[None],
+                    **kv.cache_kwargs(target, cache),
+                )
+                times[b].append(time.perf_counter() - start)
+                kv.crop(cache, prefix_len)
+    return {b: statistics.median(t) for b, t in times.items()}
+

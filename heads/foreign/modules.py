@@ -225,14 +225,14 @@ class PublishedLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class PublishedEagleHead(BorrowingModule):
+class ForeignEagleHead(BorrowingModule):
     """An EAGLE-1 or EAGLE-3 head with the published architecture (config.eagle_layout)."""
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         layout = config.eagle_layout
         if layout not in ("eagle1", "eagle3"):
-            raise ValueError(f"PublishedEagleHead builds eagle1/eagle3 layouts, not {layout!r}")
+            raise ValueError(f"ForeignEagleHead builds eagle1/eagle3 layouts, not {layout!r}")
         if config.eagle_layer_config is None and not config.target_config:
             raise ValueError(f"an {layout} head needs HeadsConfig.eagle_layer_config or target_config")
         layer = config.eagle_layer_config or layer_config_from_target(config.target_config)

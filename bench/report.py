@@ -1,0 +1,165 @@
+"""A bench report: per-method medians, the Markdown table, the JSON file and the plots on disk."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from selfdraft.bench.divergence import NEAR_TIE_NOTE
+from selfdraft.bench.plots import plot
+
+
+def summarize(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
+    """Per (prompt set, method, temperature): medians over prompts of per-prompt medians."""
+    out = []
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    temps = sorted({r["temperature"] for r in rows})
+    for set_name, ids in sets.items():
+        for t in temps:
+            base = _per_prompt(rows, "baseline", t, ids)
+            for m in methods:
+                mine = _per_prompt(rows, m, t, ids)
+                if not mine:
+                    continue
+                speedups = [
+                    base[p]["seconds"]
+                    / mine[p]["seconds"]
+                    * len(mine[p]["tokens"])
+                    / max(1, len(base[p]["tokens"]))
+                    for p in mine
+                    if p in base
+                ]
+                record = {
+                    "prompts": set_name,
+                    "method": m,
+                    "temperature": t,
+                    "n": len(mine),
+                    "tokens_per_s": statistics.median(len(v["tokens"]) / v["seconds"] for v in mine.values()),
+                    "speedup": statistics.median(speedups) if speedups else None,
+                }
+                if t == 0.0:
+                    same = [p for p in mine if mine[p]["tokens"] == base[p]["tokens"]]
+                    record["identical_to_baseline"] = len(same) == len(mine)
+                    record["identical_prompts"] = len(same)
+                    record["near_tie_prompts"] = sum(
+                        1 for p in mine if mine[p].get("divergence", {}).get("near_tie", False)
+                    )
+                if "tau" in next(iter(mine.values())):
+                    vals = list(mine.values())
+                    record["tau"] = statistics.mean(v["tau"] for v in vals)
+                    depth = max(len(v["per_depth_acceptance"]) for v in vals)
+                    record["per_depth_acceptance"] = [
+                        statistics.mean(
+                            v["per_depth_acceptance"][d] for v in vals if d < len(v["per_depth_acceptance"])
+                        )
+                        for d in range(depth)
+                    ]
+                    record["draft_ms_per_step"] = statistics.median(v["draft_ms_per_step"] for v in vals)
+                    record["verify_ms_per_step"] = statistics.median(v["verify_ms_per_step"] for v in vals)
+                    record["tree_tokens"] = statistics.median(v["tree_tokens"] for v in vals)
+                out.append(record)
+    return out
+
+
+
+def _per_prompt(rows, method, temperature, ids) -> dict[str, dict]:
+    """Median-time run of each prompt for one method and temperature."""
+    grouped: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["method"] == method and r["temperature"] == temperature and r["prompt"] in ids:
+            grouped.setdefault(r["prompt"], []).append(r)
+    return {p: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2] for p, rs in grouped.items()}
+
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        "| prompts | method | T | n | tau | tree tokens | tok/s | speedup | identical | draft ms/step "
+        "| verify ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["summary"]:
+        cells = [
+            r["prompts"],
+            r["method"],
+            f"{r['temperature']:g}",
+            str(r["n"]),
+            _fmt(r.get("tau"), ".2f"),
+            _fmt(r.get("tree_tokens"), ".1f"),
+            _fmt(r["tokens_per_s"], ".1f"),
+            _fmt(r["speedup"], ".2f", "x"),
+            identical_cell(r),
+            _fmt(r.get("draft_ms_per_step"), ".0f"),
+            _fmt(r.get("verify_ms_per_step"), ".0f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += trees_lines(report)
+    curve = report["verify_cost_seconds"]
+    one = curve["1"]
+    lines += [
+        "",
+        "Verify cost (one target pass over b tokens, relative to b = 1): "
+        + ", ".join(f"{b}: {t / one:.2f}x" for b, t in curve.items()),
+    ]
+    lines += [
+        "",
+        "tau = tokens per target pass, bonus/correction token counted. speedup = tokens/s of the "
+        "method / tokens/s of the baseline on the same prompt (median over prompts), same run, "
+        "methods interleaved per prompt.",
+    ]
+    lines += dtypes_lines(report)
+    lines += ["", NEAR_TIE_NOTE]
+    return "\n".join(lines) + "\n"
+
+
+
+def dtypes_lines(report: dict) -> list[str]:
+    """Markdown lines naming the target's and each method's heads' dtype (empty when not recorded)."""
+    dtypes = report.get("dtypes", {})
+    if not dtypes:
+        return []
+    return ["", "dtypes: " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) + "."]
+
+
+
+def trees_lines(report: dict) -> list[str]:
+    """Markdown lines naming the tree each selfdraft method used (empty when the report has none)."""
+    trees = report.get("trees", {})
+    if not trees:
+        return []
+    return ["", "Trees: " + "; ".join(f"`{label}`: {text}" for label, text in trees.items()) + "."]
+
+
+
+def identical_cell(record: dict) -> str:
+    """yes | k/n, with how many of the others parted at a near-tie of the target's own logits."""
+    if record.get("identical_to_baseline") is None:
+        return "-"
+    if record["identical_to_baseline"]:
+        return "yes"
+    if "identical_prompts" not in record:  # a report written before counts were kept
+        return "NO"
+    cell = f"{record['identical_prompts']}/{record['n']}"
+    ties = record.get("near_tie_prompts", 0)
+    return (
+        cell
+        + (f" ({ties} near-tie)" if ties else "")
+        + (" NO" if record["identical_prompts"] + ties < record["n"] else "")
+    )
+
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "bench.md").write_text(markdown_table(report))
+    pngs = plot(report, out_dir)
+    return {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md", **{p.stem: p for p in pngs}}
+

@@ -1,0 +1,216 @@
+"""`selfdraft bench`: every method side by side, interleaved per prompt, in one run.
+
+Methods: the target's own `generate` (the baseline), transformers prompt-lookup decoding,
+transformers assisted generation with a draft model sharing the tokenizer, and selfdraft with any
+heads and tree. Speedups are ratios of medians against the baseline of the same run; greedy outputs
+are cross-checked for identity with the baseline.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from selfdraft.bench.divergence import first_divergence, float32_reference
+from selfdraft.bench.prompts import Prompt, load_prompt_set
+from selfdraft.bench.report import summarize
+from selfdraft.bench.timing import Timed, run_baseline, run_speculative, verify_cost_curve
+from selfdraft.errors import UserError
+from selfdraft.inference.drafting import heads_dtype
+from selfdraft.inference.model import SHIPPED, SelfDraftModel
+from selfdraft.precision import parse_dtype
+from selfdraft.target import load_target
+
+
+@dataclass
+class BenchConfig:
+    target: str = "smollm2-135m-instruct"
+    prompts: list[str] = field(default_factory=lambda: ["sharegpt:10", "humaneval:10"])
+    methods: list[str] = field(default_factory=lambda: ["baseline", "prompt-lookup", "selfdraft:shipped"])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    max_new_tokens: int = 128
+    repeats: int = 1
+    threads: int = 2
+    dtype: str = "float32"  # the target's (and the baseline's): float32 keeps greedy output identical
+    draft_dtype: str = "auto"  # the heads'; see SelfDraftModel.from_pretrained
+    seed: int = 0
+    verify_curve: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    output_dir: str = "runs/bench"
+
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str
+    kind: str  # baseline | prompt-lookup | assisted | selfdraft
+    arg: str | None = None  # heads (selfdraft) or draft model (assisted)
+    tree: str | None = None
+
+
+
+def parse_method(spec: str) -> Method:
+    """`baseline`, `prompt-lookup`, `assisted:DRAFT`, `selfdraft:HEADS[:TREE]` (HEADS = shipped|none|DIR)."""
+    kind, _, rest = spec.partition(":")
+    if kind in ("baseline", "prompt-lookup") and not rest:
+        return Method(spec, kind)
+    if kind == "assisted" and rest:
+        return Method(spec, kind, rest)
+    if kind == "selfdraft":
+        heads, _, tree = rest.partition(":")
+        return Method(spec, kind, heads or SHIPPED, tree or None)
+    raise UserError(
+        f"unknown method {spec!r}: baseline, prompt-lookup, assisted:DRAFT, selfdraft:HEADS[:TREE]"
+    )
+
+
+
+class Runner:
+    """Builds each method once over a shared target, then runs it on a prompt."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        # One target serves every method, so they all run the very same weights in the same memory.
+        self.target, self.tokenizer = load_target(config.target, dtype=parse_dtype(config.dtype))
+        self.base = SelfDraftModel.with_heads(self.target, self.tokenizer, None)  # stop ids, chat template
+        self.methods = [parse_method(m) for m in config.methods]
+        if not self.methods or self.methods[0].kind != "baseline":
+            self.methods.insert(0, Method("baseline", "baseline"))
+        self.models: dict[str, SelfDraftModel] = {}
+        self.assistants: dict[str, torch.nn.Module] = {}
+        for m in self.methods:
+            if m.kind == "selfdraft":
+                heads = None if m.arg == "none" else m.arg
+                self.models[m.label] = SelfDraftModel.with_heads(
+                    self.target,
+                    self.tokenizer,
+                    heads,
+                    target_name=config.target,
+                    tree=m.tree,
+                    draft_dtype=config.draft_dtype,
+                )
+            elif m.kind == "assisted":
+                draft, draft_tok = load_target(m.arg, dtype=parse_dtype(config.dtype))
+                if draft_tok.get_vocab() != self.tokenizer.get_vocab():
+                    raise UserError(
+                        f"assisted:{m.arg}: the draft model's tokenizer differs from the target's"
+                    )
+                self.assistants[m.label] = draft
+
+    def ids(self, prompt: Prompt) -> torch.Tensor:
+        if prompt.chat:
+            return self.base.chat_ids(prompt.text)
+        return self.tokenizer(prompt.text, return_tensors="pt").input_ids
+
+    @torch.no_grad()
+    def run(
+        self,
+        method: Method,
+        ids: torch.Tensor,
+        temperature: float,
+        seed: int,
+        max_new_tokens: int | None = None,
+    ) -> dict:
+        n = max_new_tokens or self.config.max_new_tokens
+        torch.manual_seed(seed)
+        if method.kind == "selfdraft":
+            timed, out = run_speculative(
+                self.models[method.label], ids, n, temperature=temperature, seed=seed
+            )
+            s = out.stats
+            return {
+                "tokens": timed.tokens,
+                "seconds": timed.seconds,
+                "tau": s.mean_accepted,
+                "per_depth_acceptance": s.per_depth_acceptance,
+                "tree_passes": s.tree_passes,
+                "tree_tokens": s.tree_tokens / max(1, s.tree_passes),
+                "draft_ms_per_step": 1000 * s.draft_time / max(1, s.tree_passes),
+                "verify_ms_per_step": 1000 * s.verify_time / max(1, s.tree_passes),
+            }
+        extra = {}
+        if method.kind == "prompt-lookup":
+            extra["prompt_lookup_num_tokens"] = 10
+        elif method.kind == "assisted":
+            extra["assistant_model"] = self.assistants[method.label]
+        timed: Timed = run_baseline(self.base, ids, n, generate_kwargs=extra, temperature=temperature)
+        return {"tokens": timed.tokens, "seconds": timed.seconds}
+
+
+
+def run_bench(config: BenchConfig) -> dict:
+    torch.set_num_threads(config.threads)
+    runner = Runner(config)
+    prompts = [p for spec in config.prompts for p in load_prompt_set(spec)]
+    sets = {spec: [p.id for p in load_prompt_set(spec)] for spec in config.prompts}
+    warm = runner.ids(Prompt("warmup", "Hello!", True))
+    for m in runner.methods:  # warm-up: one short run of every method, not measured
+        runner.run(m, warm, 0.0, config.seed, max_new_tokens=min(16, config.max_new_tokens))
+    rows = []
+    total = len(prompts) * len(config.temperatures) * config.repeats * len(runner.methods)
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        for prompt in prompts:
+            ids = runner.ids(prompt)
+            for temperature in config.temperatures:
+                for r in range(config.repeats):
+                    for m in runner.methods:  # interleaved: A B C A B C ...
+                        result = runner.run(m, ids, temperature, config.seed + r)
+                        rows.append(
+                            {
+                                "prompt": prompt.id,
+                                "method": m.label,
+                                "temperature": temperature,
+                                "repeat": r,
+                                **result,
+                            }
+                        )
+                        bar.update(1)
+    mark_divergences(runner.target, rows, {p.id: runner.ids(p) for p in prompts})
+    curve = verify_cost_curve(runner.target, config.verify_curve)
+    return {
+        "config": asdict(config),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(),
+        },
+        "prompt_sets": sets,
+        "trees": {label: model.tree.describe() for label, model in runner.models.items()},
+        "dtypes": {
+            "target": str(runner.target.dtype).removeprefix("torch."),
+            **{
+                label: str(heads_dtype(model.heads)).removeprefix("torch.")
+                for label, model in runner.models.items()
+            },
+        },
+        "runs": rows,
+        "verify_cost_seconds": {str(b): t for b, t in curve.items()},
+        "summary": summarize(rows, sets),
+    }
+
+
+
+def mark_divergences(target, rows: list[dict], prompt_ids: dict[str, torch.Tensor]) -> None:
+    """Greedy rows whose tokens differ from the baseline's get a "divergence" entry: where they part
+    and how far apart the target's logits for the two tokens are there (see precision.Divergence)."""
+    base = {
+        (r["prompt"], r["repeat"]): r["tokens"]
+        for r in rows
+        if r["method"] == "baseline" and r["temperature"] == 0.0
+    }
+    reference = None  # a float32 copy of a low-precision target, made only if something diverged
+    for r in rows:
+        key = (r["prompt"], r["repeat"])
+        if r["temperature"] != 0.0 or r["method"] == "baseline" or key not in base:
+            continue
+        if base[key] == r["tokens"]:
+            continue
+        if reference is None:
+            reference = float32_reference(target)
+        found = first_divergence(target, prompt_ids[r["prompt"]], base[key], r["tokens"], reference)
+        if found is not None:
+            r["divergence"] = {**asdict(found), "near_tie": found.near_tie}
+

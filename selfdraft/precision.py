@@ -1,0 +1,71 @@
+"""Dtype policy: dtype names, whether this CPU computes bf16 natively, and which dtype heads draft in.
+
+Heads only decide which tokens the target is asked to verify, so they may compute in a cheaper dtype
+than the target without changing a single output token. The target's own dtype is the user's choice;
+what a low-precision target does to greedy identity is explained once, in `selfdraft.bench.divergence`.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+AUTO = "auto"
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (or fp32/bf16/fp16, or a torch.dtype) -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(set(DTYPES))}") from None
+
+
+def native_bf16(cpuinfo: str, machine: str) -> bool:
+    """Whether a CPU multiplies bf16 natively, from /proc/cpuinfo text and `platform.machine()`:
+    x86 AVX512-BF16 or AMX-BF16, Arm BF16. Without it oneDNN emulates bf16, slower than float32."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    if machine.lower() in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no cheap way to tell, so stay with float32
+        return False
+    return native_bf16(text, platform.machine())
+
+
+def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, target: torch.nn.Module) -> torch.dtype:
+    """The heads' dtype: explicit, the target's (None), or 'auto'.
+
+    auto: bfloat16 when the target computes in float32 on a CPU with native bf16 (drafting is then
+    about twice as fast and the output is unchanged), else the target's dtype.
+    """
+    weight = target.get_input_embeddings().weight
+    if draft_dtype is None:
+        return weight.dtype
+    if isinstance(draft_dtype, str) and draft_dtype.lower() == AUTO:
+        native = weight.device.type == "cpu" and cpu_has_native_bf16()
+        return torch.bfloat16 if weight.dtype == torch.float32 and native else weight.dtype
+    return parse_dtype(draft_dtype)

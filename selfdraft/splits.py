@@ -1,0 +1,25 @@
+"""The data-split rule: which records are held out, decided by content so every tool agrees."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+
+def split_key(record: dict) -> str:
+    """What decides a record's split: its prompts (system/user turns) or its text, never its answers.
+
+    Keyed on content, not ids, so an exact duplicate under another id and a self-distilled copy (same
+    prompts, regenerated answers) always land on the same side as the original.
+    """
+    if "messages" in record:
+        prompts = [[m["role"], m["content"]] for m in record["messages"] if m["role"] != "assistant"]
+        payload = json.dumps(prompts, ensure_ascii=False)
+    else:
+        payload = record["text"]
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def is_heldout(record: dict, heldout_fraction: float) -> bool:
+    """Deterministic, seed-independent membership: the first 8 bytes of the key as a uniform in [0, 1)."""
+    return int(split_key(record)[:16], 16) / 2**64 < heldout_fraction

@@ -1,0 +1,423 @@
+"""Draft trees: the verified tree as data, the shapes that grow one, and the masks the target sees.
+
+`TreeSpec` is a concrete tree. Node 0 is the root (the last token already chosen, not yet in the
+target's KV cache). Every other node i has a parent `parents[i] < i` and a `rank`: which of the
+drafter's ranked candidates it takes at its parent (rank 0 = most likely). Children of a node are
+ordered by node index, which is the order in which acceptance tries them.
+
+A *tree shape* says how a drafter fills a tree each step. Every shape has the same interface, so
+neither drafters nor the decoding loop ask which kind they hold:
+
+    shape.max_depth            the deepest node any drafted tree can have
+    shape.max_tokens           the most tokens one verification pass can hold (root included)
+    shape.draft(drafter, root_token, context) -> (TreeSpec, tokens [N])
+    shape.describe()           a short human description
+
+Shapes: a `TreeSpec` itself (static: the same tree every step, Medusa `choices` style), a
+`DynamicTree` (EAGLE-2: grow by cumulative draft log-probability, keep the best nodes) and a
+`LookupTree` (any shape plus a prompt-lookup branch). Children are always a drafter's deterministic
+top-k picks, and a looked-up branch is a deterministic function of the context, so the exact
+acceptance rule for deterministic children (`acceptance.accept_rejection(variant="deterministic")`)
+keeps every shape lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+
+class Drafter(Protocol):
+    """What a shape asks of a drafter while it grows one tree (see `inference/drafting.py`)."""
+
+    def begin(self, root_token: int, max_depth: int) -> None:
+        """Start a tree under `root_token`, at most `max_depth` deep."""
+
+    def children(self, grown: Grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best children of each depth-`depth` node: (target ids [n, k], draft log q [n, k])."""
+
+    def feed(self, grown: Grown, nodes: list[int], depth: int) -> None:
+        """Make these depth-`depth` nodes expandable (an EAGLE head runs on them)."""
+
+    def end(self) -> None:
+        """The tree is drafted; drop any per-tree state."""
+
+
+# ---- the concrete tree ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TreeSpec:
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parents or self.parents[0] != -1:
+            raise ValueError("a tree needs a root at index 0 with parent -1")
+        if len(self.ranks) != len(self.parents):
+            raise ValueError("parents and ranks must have the same length")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}; parents must precede their children")
+            if self.ranks[i] < 0:
+                raise ValueError(f"node {i} has a negative rank")
+        seen = set()
+        for i in range(1, len(self.parents)):
+            key = (self.parents[i], self.ranks[i])
+            if key in seen:
+                raise ValueError(f"node {i} repeats rank {self.ranks[i]} under parent {self.parents[i]}")
+            seen.add(key)
+
+    @classmethod
+    def chain(cls, depth: int) -> TreeSpec:
+        """A single path of `depth` drafted tokens (plus the root)."""
+        if depth < 0:
+            raise ValueError("depth must be >= 0")
+        return cls(parents=(-1, *range(depth)), ranks=(0,) + (0,) * depth)
+
+    @classmethod
+    def from_paths(cls, paths: Iterable[Sequence[int]]) -> TreeSpec:
+        """Medusa `choices` style: each path lists candidate ranks from depth 1 down to the node.
+
+        Missing prefixes are added, duplicates dropped; nodes are ordered by (depth, path) so that
+        parents always precede children and siblings are tried best rank first.
+        """
+        full: set[tuple[int, ...]] = set()
+        for path in paths:
+            path = tuple(int(r) for r in path)
+            if any(r < 0 for r in path):
+                raise ValueError(f"negative rank in path {path}")
+            for d in range(1, len(path) + 1):
+                full.add(path[:d])
+        ordered = sorted(full, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parents, ranks = [-1], [0]
+        for i, path in enumerate(ordered, start=1):
+            index[path] = i
+            parents.append(index[path[:-1]])
+            ranks.append(path[-1])
+        return cls(parents=tuple(parents), ranks=tuple(ranks))
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int], ranks: Sequence[int] | None = None) -> TreeSpec:
+        if ranks is None:  # number siblings in order of appearance
+            counts: dict[int, int] = {}
+            ranks = [0]
+            for p in parents[1:]:
+                ranks.append(counts.get(p, 0))
+                counts[p] = counts.get(p, 0) + 1
+        return cls(parents=tuple(int(p) for p in parents), ranks=tuple(int(r) for r in ranks))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        d = [0] * self.size
+        for i in range(1, self.size):
+            d[i] = d[self.parents[i]] + 1
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.size
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for i in range(1, self.size):
+            kids[self.parents[i]].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Root-to-node rank paths (node 0 -> ())."""
+        out: list[tuple[int, ...]] = [()]
+        for i in range(1, self.size):
+            out.append(out[self.parents[i]] + (self.ranks[i],))
+        return tuple(out)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, inclusive."""
+        nodes = [node]
+        while self.parents[nodes[-1]] != -1:
+            nodes.append(self.parents[nodes[-1]])
+        return nodes[::-1]
+
+    def nodes_at_depth(self, depth: int) -> list[int]:
+        return [i for i, d in enumerate(self.depths) if d == depth]
+
+    def describe(self) -> str:
+        if self.parents == TreeSpec.chain(self.max_depth).parents:
+            return f"chain of {self.max_depth}"
+        return f"static tree of {self.size - 1} nodes, depth {self.max_depth}"
+
+    def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
+        """Fill this fixed tree: node i takes its parent's rank-`ranks[i]` child. Returns (self, tokens [N])."""
+        grown = Grown.rooted(root_token)
+        node_of = {0: 0}  # this tree's node -> index in `grown`
+        frontier = [0] if self.size > 1 else []
+        drafter.begin(root_token, self.max_depth)
+        try:
+            for depth in range(self.max_depth):
+                k = 1 + max(self.ranks[c] for u in frontier for c in self.children[u])
+                ids, logq = drafter.children(grown, [node_of[u] for u in frontier], depth, k)
+                for row, u in enumerate(frontier):
+                    for c in self.children[u]:
+                        r = self.ranks[c]
+                        node_of[c] = grown.add(node_of[u], int(ids[row, r]), float(logq[row, r]), r)
+                frontier = [c for u in frontier for c in self.children[u] if self.children[c]]
+                if not frontier:
+                    break
+                drafter.feed(grown, [node_of[c] for c in frontier], depth + 1)
+        finally:
+            drafter.end()
+        return self, torch.tensor([grown.tokens[node_of[i]] for i in range(self.size)], dtype=torch.long)
+
+
+# ---- a tree while it is drafted ---------------------------------------------------------------------
+@dataclass
+class Grown:
+    """Nodes drafted so far (index 0 = root), as parallel lists; `scores` are cumulative log q."""
+
+    parents: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+    @classmethod
+    def rooted(cls, root_token: int) -> Grown:
+        return cls([-1], [int(root_token)], [0.0], [0], [0])
+
+    def add(self, parent: int, token: int, logq: float, rank: int) -> int:
+        self.parents.append(parent)
+        self.tokens.append(token)
+        self.scores.append(self.scores[parent] + logq)
+        self.depths.append(self.depths[parent] + 1)
+        self.ranks.append(rank)
+        return len(self.tokens) - 1
+
+    def ancestors(self, nodes: list[int], columns: list[int]) -> torch.Tensor:
+        """allowed[i, j] = columns[j] is nodes[i] or one of its ancestors (root excluded). bool [n, m]."""
+        position = {c: j for j, c in enumerate(columns)}
+        allowed = torch.zeros(len(nodes), len(columns), dtype=torch.bool)
+        for i, u in enumerate(nodes):
+            while u > 0:
+                if u in position:
+                    allowed[i, position[u]] = True
+                u = self.parents[u]
+        return allowed
+
+    def best(self, total_tokens: int) -> tuple[TreeSpec, torch.Tensor]:
+        """The `total_tokens` best-scoring nodes (plus any missing ancestor) -> (TreeSpec, tokens [N])."""
+        best = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))[:total_tokens]
+        keep = set(best)
+        for i in best:  # ties can rank a child level with its parent; never keep an orphan
+            while self.parents[i] > 0 and self.parents[i] not in keep:
+                keep.add(self.parents[i])
+                i = self.parents[i]
+        order = [0] + sorted(keep, key=lambda i: (self.depths[i], i))
+        index = {c: n for n, c in enumerate(order)}
+        parents = [-1] + [index[self.parents[c]] for c in order[1:]]
+        ranks = [0] + [self.ranks[c] for c in order[1:]]
+        tokens = torch.tensor([self.tokens[c] for c in order], dtype=torch.long)
+        return TreeSpec.from_parents(parents, ranks), tokens
+
+
+# ---- shapes that grow a different tree each step ----------------------------------------------------
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2: at each depth the `top_k` frontier nodes with the highest cumulative log q expand into
+    their `top_k` most likely children; after `depth` levels the `total_tokens` best candidates (an
+    ancestor-closed set, since a child never scores above its parent) are verified."""
+
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 12  # drafted nodes verified (root excluded)
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise ValueError("DynamicTree needs depth, top_k and total_tokens >= 1")
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_tokens(self) -> int:
+        return self.total_tokens + 1  # total_tokens counts drafted nodes, the root comes on top
+
+    def describe(self) -> str:
+        return f"dynamic (depth {self.depth}, top-k {self.top_k}, {self.total_tokens} tokens)"
+
+    def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
+        grown = Grown.rooted(root_token)
+        frontier = [0]
+        drafter.begin(root_token, self.depth)
+        try:
+            for depth in range(self.depth):
+                ids, logq = drafter.children(grown, frontier, depth, self.top_k)
+                new = [
+                    grown.add(u, int(ids[row, r]), float(logq[row, r]), r)
+                    for row, u in enumerate(frontier)
+                    for r in range(ids.shape[1])
+                ]
+                if depth + 1 == self.depth:
+                    break
+                frontier = sorted(new, key=lambda i: -grown.scores[i])[: self.top_k]
+                drafter.feed(grown, frontier, depth + 1)
+        finally:
+            drafter.end()
+        return grown.best(self.total_tokens)
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """tokens: the longest grafted continuation; n-grams of max_ngram..min_ngram tokens are matched."""
+
+    tokens: int = 5
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"bad prompt lookup {self}: need tokens >= 1 and 1 <= min_ngram <= max_ngram")
+
+
+@dataclass(frozen=True)
+class LookupTree:
+    """A heads' tree shape plus a prompt-lookup branch: small models repeat their context (code
+    identifiers, lists, quoted text), so the tokens that followed the latest earlier occurrence of the
+    current n-gram are grafted on every drafted tree as one more path from the root."""
+
+    base: TreeSpec | DynamicTree
+    lookup: PromptLookup
+
+    @property
+    def max_depth(self) -> int:
+        # the grafted branch is the looked-up continuation itself, so no path is longer than it
+        return max(self.base.max_depth, self.lookup.tokens)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.base.max_tokens + self.lookup.tokens
+
+    def describe(self) -> str:
+        return f"{self.base.describe()} + prompt-lookup branch of up to {self.lookup.tokens} tokens"
+
+    def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
+        spec, tokens = self.base.draft(drafter, root_token, context)
+        return graft_chain(spec, tokens, lookup_continuation(context, self.lookup))
+
+
+TreeShape = TreeSpec | DynamicTree | LookupTree
+
+
+def lookup_continuation(context: Sequence[int], lookup: PromptLookup) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of context's last n-gram.
+
+    Longer n-grams are tried first (they predict better); [] when nothing matches.
+    """
+    length = len(context)
+    for n in range(min(lookup.max_ngram, length - 1), lookup.min_ngram - 1, -1):
+        pattern = list(context[length - n :])
+        for start in range(length - n - 1, -1, -1):  # latest first; the n-gram itself is excluded
+            if list(context[start : start + n]) == pattern:
+                return list(context[start + n : start + n + lookup.tokens])
+    return []
+
+
+def graft_chain(spec: TreeSpec, tokens: torch.Tensor, chain: Sequence[int]) -> tuple[TreeSpec, torch.Tensor]:
+    """Add `chain` (tokens for depths 1..len) as a path from the root of a drafted tree.
+
+    spec, tokens [N]: the drafted tree. The chain follows existing children whose token matches and
+    appends new nodes from the first mismatch on (rank = one past the parent's highest), so siblings
+    keep distinct tokens. Returns the grown (spec, tokens [N + added]).
+    """
+    parents, ranks, values = list(spec.parents), list(spec.ranks), tokens.tolist()
+    children = [list(c) for c in spec.children]
+    node = 0
+    for token in chain:
+        match = next((c for c in children[node] if values[c] == token), None)
+        if match is None:
+            parents.append(node)
+            ranks.append(1 + max((ranks[c] for c in children[node]), default=-1))
+            values.append(int(token))
+            children[node].append(len(values) - 1)
+            children.append([])
+            match = len(values) - 1
+        node = match
+    if len(values) == spec.size:
+        return spec, tokens
+    return TreeSpec(parents=tuple(parents), ranks=tuple(ranks)), torch.tensor(values, dtype=tokens.dtype)
+
+
+# ---- what the target (and an EAGLE head) sees -------------------------------------------------------
+def ancestor_matrix(spec: TreeSpec) -> torch.Tensor:
+    """A[i, j] = True iff node j is node i or one of its ancestors.  Returns bool [N, N]."""
+    n = spec.size
+    allowed = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        allowed[i] |= allowed[spec.parents[i]]
+    return allowed
+
+
+def additive_mask(
+    allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """allowed: bool [q, k] among new entries -> additive mask [1, 1, q, prefix_len + k], prefix visible.
+
+    0 where attention is allowed, finfo.min elsewhere. Float on purpose: boolean 4D masks are silently
+    misread by some attention backends (eager attention adds them as 0/1).
+    """
+    full = torch.cat([torch.ones(allowed.shape[0], prefix_len, dtype=torch.bool), allowed.cpu()], dim=1)
+    mask = torch.zeros(full.shape, dtype=dtype).masked_fill(~full, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+def tree_attention_mask(
+    spec: TreeSpec, prefix_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[1, 1, N, prefix_len + N]: every tree node sees the whole cached prefix plus its own ancestors."""
+    return additive_mask(ancestor_matrix(spec), prefix_len, dtype, device)
+
+
+def block_causal_mask(
+    query_len: int, prefix_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Plain causal additive mask [1, 1, q, prefix_len + q] for a contiguous block after a prefix."""
+    return additive_mask(torch.tril(torch.ones(query_len, query_len, dtype=torch.bool)), prefix_len, dtype, device)
+
+
+def tree_position_ids(spec: TreeSpec, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """position_ids [1, N] = prefix_len + depth."""
+    return (torch.tensor(spec.depths, dtype=torch.long, device=device) + prefix_len)[None]
+
+
+# Shapes shipped by name; `configs/trees/*.yaml` may define more.
+NAMED_TREES: dict[str, TreeSpec] = {
+    "chain-4": TreeSpec.chain(4),
+    "small": TreeSpec.from_paths([(0, 0, 0), (0, 1), (1, 0), (2,), (0, 0, 1), (0, 0, 0, 0)]),
+    "medium": TreeSpec.from_paths(
+        [
+            (0, 0, 0, 0, 0),
+            (0, 1, 0),
+            (1, 0, 0),
+            (0, 0, 1),
+            (2, 0),
+            (0, 2),
+            (1, 1),
+            (3,),
+            (0, 0, 0, 1),
+            (0, 0, 2),
+        ]
+    ),
+}

@@ -1,0 +1,104 @@
+"""Tree shapes written as text: names and strings (`small`, `chain-4`, `dynamic:depth=5,...`,
+`NAME+lookup=K`), rank-path lists, and `tree.yaml` files."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from selfdraft.errors import UserError
+from selfdraft.tree import NAMED_TREES, DynamicTree, LookupTree, PromptLookup, TreeShape, TreeSpec
+
+TreeLike = TreeShape | str | Sequence[Sequence[int]]
+DYNAMIC_KEYS = {"depth", "top_k", "total_tokens"}
+LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram"}
+LOOKUP_SUFFIX = "+lookup"
+FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured"}
+
+
+def _parse_dynamic(text: str) -> DynamicTree:
+    """`dynamic` or `dynamic:depth=5,top_k=4,total_tokens=16`."""
+    _, _, args = text.partition(":")
+    values = {}
+    for item in filter(None, args.split(",")):
+        key, _, value = item.partition("=")
+        if key not in DYNAMIC_KEYS or not value.isdigit():
+            raise UserError(
+                f"bad dynamic tree option {item!r}; use {sorted(DYNAMIC_KEYS)} with integer values"
+            )
+        values[key] = int(value)
+    return DynamicTree(**values)
+
+
+def read_tree_file(path: Path) -> TreeShape:
+    """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
+    `lookup: {tokens, max_ngram, min_ngram}` branch, and an optional `description:` / `measured:`
+    block; anything else is rejected."""
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict) or set(data) - FILE_KEYS or ("paths" in data) == ("dynamic" in data):
+        raise UserError(
+            f"{path}: a tree file holds exactly one of `paths:` or `dynamic:` (keys: {sorted(FILE_KEYS)})"
+        )
+    if "dynamic" in data:
+        options = data["dynamic"]
+        if not isinstance(options, dict) or set(options) - DYNAMIC_KEYS:
+            raise UserError(f"{path}: `dynamic:` takes {sorted(DYNAMIC_KEYS)}")
+        base: TreeSpec | DynamicTree = DynamicTree(**options)
+    else:
+        base = TreeSpec.from_paths(data["paths"])
+    if "lookup" not in data:
+        return base
+    options = data["lookup"]
+    if not isinstance(options, dict) or set(options) - LOOKUP_KEYS:
+        raise UserError(f"{path}: `lookup:` takes {sorted(LOOKUP_KEYS)}")
+    return LookupTree(base, PromptLookup(**options))
+
+
+def _shape_fields(tree: TreeShape) -> dict:
+    if isinstance(tree, LookupTree):
+        return {**_shape_fields(tree.base), "lookup": dataclasses.asdict(tree.lookup)}
+    if isinstance(tree, DynamicTree):
+        return {"dynamic": dataclasses.asdict(tree)}
+    return {"paths": [list(p) for p in tree.paths[1:]]}
+
+
+def write_tree_file(path: Path, tree: TreeShape, description: str = "", measured: dict | None = None):
+    data: dict = {"description": description} if description else {}
+    data.update(_shape_fields(tree))
+    if measured:
+        data["measured"] = measured
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+def resolve_tree(tree: TreeLike) -> TreeShape:
+    """A TreeSpec, DynamicTree or LookupTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a
+    YAML file with `paths:`, or a list of rank paths; a name may end in `+lookup[=K]` to graft a
+    prompt-lookup branch of up to K tokens on every drafted tree."""
+    if isinstance(tree, TreeSpec | DynamicTree | LookupTree):
+        return tree
+    if not isinstance(tree, str):
+        return TreeSpec.from_paths(tree)
+    if LOOKUP_SUFFIX in tree:
+        name, _, rest = tree.partition(LOOKUP_SUFFIX)
+        if rest and not (rest.startswith("=") and rest[1:].isdigit()):
+            raise UserError(f"bad lookup option {rest!r} in {tree!r}; use NAME+lookup or NAME+lookup=K")
+        base = resolve_tree(name)
+        if isinstance(base, LookupTree):
+            raise UserError(f"{tree!r} asks for two lookup branches")
+        return LookupTree(base, PromptLookup(tokens=int(rest[1:])) if rest else PromptLookup())
+    if tree == "dynamic" or tree.startswith("dynamic:"):
+        return _parse_dynamic(tree)
+    if tree in NAMED_TREES:
+        return NAMED_TREES[tree]
+    if tree.startswith("chain-") and tree[6:].isdigit():
+        return TreeSpec.chain(int(tree[6:]))
+    path = Path(tree)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return read_tree_file(path)
+    raise UserError(
+        f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, dynamic:..., "
+        "a YAML file, optionally followed by +lookup[=K]"
+    )
