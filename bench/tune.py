@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfdraft.bench.run import verify_cost_curve
+from selfdraft.bench.timing import verify_cost_curve
 from selfdraft.inference.model import SelfDraftModel
 from selfdraft.tree_syntax import resolve_tree
 

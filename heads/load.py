@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from selfdraft.errors import UserError
+from selfdraft.errors import MissingFileError
 from selfdraft.heads.folder import Heads, is_selfdraft_folder, load_own_heads
 from selfdraft.heads.foreign.convert import load_foreign_heads
 
@@ -22,7 +22,7 @@ def load_heads(
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise UserError(f"heads checkpoint folder {directory} does not exist; pass a folder with config.json")
+        raise MissingFileError(f"heads checkpoint folder {directory} does not exist; pass a folder with config.json")
     if is_selfdraft_folder(directory):
         heads = load_own_heads(directory, target, dtype)
     else:

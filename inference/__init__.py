@@ -1,7 +1,7 @@
 """Inference: drafters, acceptance, the generate loop and `SelfDraftModel`."""
 
+from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.model import SelfDraftModel
-from selfdraft.inference.sampling import SamplingParams
 from selfdraft.target import load_target
 from selfdraft.tree import TreeSpec
 

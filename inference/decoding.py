@@ -11,9 +11,16 @@ import torch
 
 from selfdraft import kv
 from selfdraft.errors import UserError
-from selfdraft.inference.acceptance import AcceptResult, accept_greedy, accept_rejection, accept_typical
+from selfdraft.inference.acceptance import (
+    AcceptResult,
+    SamplingParams,
+    accept_greedy,
+    accept_rejection,
+    accept_typical,
+    sample,
+    warp_probs,
+)
 from selfdraft.inference.drafting import make_drafter
-from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
 from selfdraft.target import max_context
 from selfdraft.tree import TreeShape, TreeSpec, tree_attention_mask, tree_position_ids
 

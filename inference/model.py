@@ -10,8 +10,8 @@ import torch
 
 from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
+from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
-from selfdraft.inference.sampling import SamplingParams
 from selfdraft.precision import AUTO, parse_dtype, resolve_draft_dtype
 from selfdraft.target import load_target
 from selfdraft.tree_syntax import TreeLike, resolve_tree

@@ -52,7 +52,8 @@ def load_bench_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.bench.run import run_bench, write_report
+    from selfdraft.bench.report import write_report
+    from selfdraft.bench.run import run_bench
 
     config = load_bench_config(args)
     report = run_bench(config)

@@ -14,16 +14,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare_from_config(
     config_path: str, output_dir: str | None = None, batch_size: int = 8, fill_cache: bool = True
 ) -> None:
-    """Data splits, then the feature cache (unless `fill_cache` is False, e.g. a partial-cache run)."""
+    """Data splits, then the feature cache of both splits (unless `fill_cache` is False, e.g. a
+    partial-cache run). The target runs on the CPU in the run's train.precision (auto: bf16 where the
+    CPU multiplies bf16 natively)."""
     from selfdraft.target import load_target
-    from selfdraft.training.config import load_run_config
-    from selfdraft.training.prepare import cache_ready, prepare_features, prepare_splits
+    from selfdraft.training.config import load_run_config, resolve_precision
+    from selfdraft.training.prepare import prepare_features, prepare_splits
 
     config = load_run_config(config_path, {"output_dir": output_dir} if output_dir else None)
-    target, tokenizer = load_target(config.target)
-    train, _ = prepare_splits(config, tokenizer)
-    if fill_cache and config.data.feature_cache and not cache_ready(config):
-        prepare_features(config, target, train, batch_size=batch_size)
+    dtype = resolve_precision(config.train.precision, "cpu")
+    target, tokenizer = load_target(config.target, dtype=dtype)
+    train, heldout = prepare_splits(config, tokenizer)
+    if fill_cache and config.data.feature_cache:  # resumable: finished shards are skipped
+        prepare_features(config, target, train, batch_size=batch_size, heldout=heldout)
 
 
 def run(args: argparse.Namespace) -> int:

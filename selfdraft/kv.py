@@ -30,15 +30,6 @@ def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict:
     return {_cache_keyword(type(model)): cache, "use_cache": True}
 
 
-def output_cache(outputs) -> DynamicCache | None:
-    """The cache object returned by a forward, whatever the output field is called."""
-    for name in ("cache", "past_key_values"):
-        value = getattr(outputs, name, None)
-        if value is not None:
-            return value
-    return None
-
-
 def cache_length(cache: DynamicCache) -> int:
     return int(cache.get_seq_length())
 

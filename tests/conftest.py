@@ -7,6 +7,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# Fixtures that make a test part of the slow tier by themselves: the real 135M target, a tiny target
+# saved to disk with the real tokenizer (CLI and training runs use it).
+SLOW_FIXTURES = {"smollm", "tiny_target_dir"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test-fast` runs `-m "not slow"`: tiny models only. A test is slow when marked so or when it
+    uses a fixture of SLOW_FIXTURES."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tiny models run fastest on one thread (per-op overhead dominates); the real target uses two."""

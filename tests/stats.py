@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from selfdraft.inference.sampling import SamplingParams, warp_probs
+from selfdraft.inference.acceptance import SamplingParams, warp_probs
 
 # The critical value uses the Wilson-Hilferty approximation chi2_{df,1-alpha} ~= df (1 - 2/(9 df) +
 # z sqrt(2/(9 df)))^3 with z = 3.7190 (the N(0,1) 1 - 1e-4 quantile); for df = 1..63 it is within ~7%

@@ -21,12 +21,14 @@ import torch
 from selfdraft.inference import acceptance
 from selfdraft.inference.acceptance import (
     AcceptResult,
+    SamplingParams,
     accept_greedy,
     accept_rejection,
     accept_typical,
     residual,
+    sample,
+    warp_probs,
 )
-from selfdraft.inference.sampling import SamplingParams, sample, warp_probs
 from selfdraft.tree import TreeSpec
 
 from stats import chi_square
@@ -180,9 +182,10 @@ def test_rejection_sampling_is_lossless(variant, spec, params, q):
 
 
 def test_deterministic_rule_is_lossless_for_any_children():
-    """Variant C's rule is 'draw y ~ p, descend into the child equal to y': exact whatever the children
-    are (even i.i.d. draws from q), as long as they do not depend on the verifier's randomness. It only
-    accepts less than the matching rule. So it is not a negative control; this pins that down."""
+    """The rule for deterministic children is 'draw y ~ p, descend into the child equal to y': exact
+    whatever the children are (even i.i.d. draws from q), as long as they do not depend on the
+    verifier's randomness. It only accepts less than the matching rule. So it is not a negative
+    control; this pins that down."""
     prefixes = _generate_prefixes(WIDE, T1, NOISY_Q, "iid", _rejection("deterministic"), N_SAMPLES, 11)
     assert passes(gate(prefixes, T1))
 

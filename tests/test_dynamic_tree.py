@@ -40,7 +40,7 @@ class TableDrafter:
         return torch.stack(ids), torch.stack(logq)
 
     def feed(self, grown, nodes, depth):
-        self.fed.append((depth, len(nodes)))
+        self.fed.append((depth, list(nodes)))
         self.grown = grown
 
     def end(self):
@@ -53,20 +53,25 @@ def test_selection_is_best_scoring_and_ancestor_closed(seed, policy):
     drafter = TableDrafter(seed, policy.top_k)
     spec, tokens = policy.draft(drafter, 7)
     grown = drafter.grown
-    # every expanded frontier is the top_k of its depth by cumulative score
-    assert all(n <= policy.top_k for _, n in drafter.fed) and [d for d, _ in drafter.fed] == list(
-        range(1, policy.depth)
-    )
     assert drafter.ended and tokens[0] == 7 and spec.max_depth <= policy.depth
+    # every fed frontier is exactly the top_k nodes of its depth by cumulative score
+    assert [d for d, _ in drafter.fed] == list(range(1, policy.depth))
+    for depth, fed in drafter.fed:
+        at_depth = [i for i, d in enumerate(grown.depths) if d == depth]
+        best = sorted(at_depth, key=lambda i: -grown.scores[i])[: policy.top_k]
+        assert sorted(grown.scores[i] for i in fed) == sorted(grown.scores[i] for i in best)
+    # map every selected node back to the candidate it came from (parent, rank identify it)
+    child = {(grown.parents[i], grown.ranks[i]): i for i in range(1, len(grown.tokens))}
+    origin = [0]
+    for i in range(1, spec.size):
+        origin.append(child[(origin[spec.parents[i]], spec.ranks[i])])
+    assert tokens.tolist() == [grown.tokens[i] for i in origin]
+    # the selection holds the total_tokens best candidates (ancestors only added, never swapped in)
     n_drafted = min(policy.total_tokens, len(grown.tokens) - 1)
-    assert spec.size - 1 >= n_drafted
-    # the kept scores dominate every dropped candidate
-    kept_scores = sorted(grown.scores[1:], reverse=True)[:n_drafted]
-    threshold = kept_scores[-1]
-    for node in range(1, spec.size):
-        path = spec.path_to(node)
-        assert len(path) - 1 == spec.depths[node]
-    assert sum(1 for score in grown.scores[1:] if score > threshold + 1e-9) <= n_drafted
+    threshold = sorted(grown.scores[1:], reverse=True)[n_drafted - 1]
+    selected = set(origin[1:])
+    assert all(i in selected for i in range(1, len(grown.tokens)) if grown.scores[i] > threshold + 1e-9)
+    assert sum(1 for i in selected if grown.scores[i] >= threshold - 1e-9) >= n_drafted
     assert all(math.isfinite(score) and score <= 0 for score in grown.scores)
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from selfdraft.inference import SelfDraftModel
+from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.decoding import speculative_generate
-from selfdraft.inference.sampling import SamplingParams
 from selfdraft.tree import NAMED_TREES, TreeSpec
 
 from oracle import OracleDrafter
@@ -136,7 +136,7 @@ def test_prompt_longer_than_context_is_refused():
     model = SelfDraftModel(target, None, random_heads(target, "medusa", 0))
     with pytest.raises(ValueError, match="context"):
         model.generate(torch.zeros(1, 300, dtype=torch.long), 4)
-    with pytest.raises(NotImplementedError, match="one sequence"):
+    with pytest.raises(ValueError, match="one sequence"):
         model.generate(torch.zeros(2, 3, dtype=torch.long), 4)
 
 

@@ -6,7 +6,6 @@ computes on the same tensors, decode token-identically to the target's greedy, a
 must reproduce every tensor bit for bit.
 """
 
-import argparse
 import json
 
 import pytest
@@ -22,8 +21,6 @@ from selfdraft.heads.foreign.export import ExportError, export_heads
 from selfdraft.inference import SelfDraftModel
 from selfdraft.kv import new_cache
 from selfdraft.scripts import cli
-from selfdraft.scripts import convert as convert_cmd
-from selfdraft.scripts import export as export_cmd
 from selfdraft.target import prepare_target
 
 from tiny_models import greedy_reference, tiny_target
@@ -497,19 +494,20 @@ def test_eagle3_without_layer_ids_needs_the_target(tmp_path):
 def test_cli_convert_and_export(tmp_path, capsys):
     assert {"convert", "export"} <= set(cli.COMMANDS)
 
-    def run(module, argv):
-        parser = argparse.ArgumentParser()
-        module.add_arguments(parser)
-        return module.run(parser.parse_args(argv))
-
     write_eagle3(tmp_path / "p", TINY, "speculators")
-    assert run(convert_cmd, [str(tmp_path / "p"), str(tmp_path / "ours")]) == 0
-    assert run(export_cmd, ["--to", "sglang", str(tmp_path / "ours"), str(tmp_path / "sg")]) == 0
+    assert cli.main(["convert", str(tmp_path / "p"), str(tmp_path / "ours")]) == 0
+    assert cli.main(["export", "--to", "sglang", str(tmp_path / "ours"), str(tmp_path / "sg")]) == 0
     assert (tmp_path / "sg" / "model.safetensors").is_file()
     write_medusa(tmp_path / "m", TINY)
-    assert run(convert_cmd, [str(tmp_path / "m"), str(tmp_path / "m-ours")]) == 0
-    assert run(export_cmd, ["--to", "vllm", str(tmp_path / "m-ours"), str(tmp_path / "bad")]) == 2
-    assert "Medusa" in capsys.readouterr().err
+    assert cli.main(["convert", str(tmp_path / "m"), str(tmp_path / "m-ours")]) == 0
+    capsys.readouterr()
+    # a user error: one line naming the problem and the fix, exit status 2, no traceback
+    assert cli.main(["export", "--to", "vllm", str(tmp_path / "m-ours"), str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("selfdraft export: ") and "Medusa" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(ExportError):  # --debug shows the traceback instead
+        cli.main(["export", "--debug", "--to", "vllm", str(tmp_path / "m-ours"), str(tmp_path / "bad")])
 
 
 def test_fresh_eagle3_layout_heads_decode_and_export(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.sampling import SamplingParams
+from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.tree import LookupTree, PromptLookup, TreeSpec, graft_chain, lookup_continuation
 from selfdraft.tree_syntax import read_tree_file, resolve_tree, write_tree_file
 
@@ -99,6 +99,7 @@ def test_lookup_accepts_long_blocks_when_the_real_target_repeats(smollm):
     assert out.stats.mean_accepted > 1.8, out.stats.accepted_lengths
 
 
+@pytest.mark.slow  # 1,500 generate calls
 def test_two_token_law_with_lookup_branch():
     """1,500 sampled `generate` calls with a lookup branch vs the exact law of the first two tokens."""
     target = tiny_target("llama")

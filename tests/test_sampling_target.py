@@ -8,15 +8,15 @@ import torch
 
 from selfdraft import kv
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.acceptance import accept_rejection
+from selfdraft.inference.acceptance import SamplingParams, accept_rejection, warp_probs
 from selfdraft.inference.decoding import prefill, verify_tree
-from selfdraft.inference.sampling import SamplingParams, warp_probs
 from selfdraft.tree import TreeSpec
 
 from stats import chi_square, exact_two_token_law
 from tiny_models import random_heads, tiny_target
 
 
+@pytest.mark.slow  # 1,500 generate calls
 @pytest.mark.parametrize(
     "kind,tree,params",
     [

@@ -42,16 +42,3 @@ def test_mask_is_float_additive():
     row = mask[0, 0, RAGGED.paths.index((0, 0))]
     visible = (row == 0).nonzero().flatten().tolist()
     assert visible == [0, 1, 2, 3 + 0, 3 + RAGGED.paths.index((0,)), 3 + RAGGED.paths.index((0, 0))]
-
-
-def test_retrieve_indices_lists_each_root_to_leaf_path():
-    from selfdraft.tree import retrieve_indices
-
-    rows = retrieve_indices(RAGGED).tolist()
-    leaves = [i for i in range(RAGGED.size) if not RAGGED.children[i]]
-    assert len(rows) == len(leaves)
-    for row, leaf in zip(rows, leaves, strict=True):
-        path = [i for i in row if i >= 0]
-        assert path == RAGGED.path_to(leaf) and path[0] == 0
-        assert all(RAGGED.parents[b] == a for a, b in zip(path, path[1:], strict=False))
-        assert row[len(path) :] == [-1] * (len(row) - len(path))

@@ -55,8 +55,8 @@ def collate(rows: list[dict]) -> dict:
     if "features" in rows[0]:
         batch["features"] = {}
         for layer in rows[0]["features"]:
-            h = rows[0]["features"][layer].shape[-1]
-            out = torch.zeros(B, longest, h)
+            first = rows[0]["features"][layer]
+            out = torch.zeros(B, longest, first.shape[-1], dtype=first.dtype)
             for b, row in enumerate(rows):
                 out[b, : len(row["input_ids"])] = row["features"][layer]
             batch["features"][layer] = out

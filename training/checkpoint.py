@@ -3,7 +3,8 @@
 Layout of output_dir:
   run.json            what the run is (config fingerprint, world size) - resume refuses a mismatch
   checkpoints/<tag>/  DeepSpeed engine state (written by engine.save_checkpoint; `latest` names the tag)
-  heads/              the latest consolidated heads in `save_heads` format (loads in SelfDraftModel)
+  heads/              the latest consolidated heads in `save_heads` format (loads in SelfDraftModel),
+                      always float32 safetensors: a bf16 run's bf16 working weights, upcast exactly
   log.jsonl           one JSON record per logged step / evaluation
 """
 
@@ -12,7 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from selfdraft.heads.folder import save_heads
 
@@ -56,17 +60,39 @@ def write_meta(output_dir: Path, meta: dict) -> None:
     (output_dir / RUN_FILE).write_text(json.dumps(meta, indent=1))
 
 
-def write_rank_report(output_dir: Path, rank: int, world: int, step: int, module) -> None:
+def write_rank_report(output_dir: Path, rank: int, world: int, step: int, heads, zero_stage: int = 0) -> None:
     """Each rank's view at the end of a run: world size, step, and a digest of its head parameters
-    (equal digests on every rank = the data-parallel replicas stayed in sync)."""
+    (equal digests on every rank = the data-parallel replicas stayed in sync). Collective under ZeRO-3
+    (the digest is of the gathered parameters)."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    with gathered(heads, zero_stage):
+        for name, tensor in sorted(heads.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor_bytes(tensor))
     folder = output_dir / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
     report = {"rank": rank, "world_size": world, "step": step, "params_sha256": digest.hexdigest()}
     (folder / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's raw bytes in its own dtype (numpy has no bfloat16, so 16-bit floats go as int16)."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().tobytes()
+
+
+@contextmanager
+def gathered(heads, zero_stage: int):
+    """Full parameters inside the block on every rank (ZeRO-3 partitions them; a collective call)."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(heads.parameters()), modifier_rank=None):
+            yield
+    else:
+        yield
 
 
 def latest_tag(output_dir: Path) -> str | None:
@@ -90,21 +116,16 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
 def export_heads(engine, heads, output_dir: Path, rank: int, zero_stage: int) -> Path | None:
     """Write the consolidated heads (every rank joins the gather under ZeRO-3; rank 0 writes)."""
     dest = output_dir / "heads"
-    if zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(heads.parameters()), modifier_rank=None):
-            if rank == 0:
-                _atomic_save(heads, dest)
-    elif rank == 0:
-        _atomic_save(heads, dest)
+    with gathered(heads, zero_stage):
+        if rank == 0:
+            _atomic_save(heads, dest)
     return dest if rank == 0 else None
 
 
 def _atomic_save(heads, dest: Path) -> None:
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_heads(heads, tmp)
+    save_heads(heads, tmp, dtype=torch.float32)  # one format whatever the run's precision
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)

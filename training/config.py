@@ -8,9 +8,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
+from selfdraft.precision import cpu_has_native_bf16
 from selfdraft.typed_config import ConfigError, build_dataclass
+
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -54,6 +58,9 @@ class TrainSection:
     medusa_decay: float = 0.8
     medusa_hard_labels: bool = False  # CE on the text tokens (Medusa-1) instead of the target's distribution
     seed: int = 0
+    # auto | bf16 | fp32: the dtype of the frozen target, its features and the heads' compute (see
+    # `resolve_precision`). bf16 keeps fp32 master weights in the optimizer (DeepSpeed's bf16 mode).
+    precision: str = "auto"
 
 
 @dataclass
@@ -92,4 +99,23 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     config = build_dataclass(RunConfig, raw)
     if config.heads.kind not in ("eagle", "medusa"):
         raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
+    if config.train.precision not in PRECISIONS:
+        raise ConfigError(
+            f"train.precision: {config.train.precision!r} is not one of {', '.join(PRECISIONS)}"
+        )
     return config
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> torch.dtype:
+    """train.precision -> the run's compute dtype on `device`.
+
+    auto: bfloat16 on CUDA GPUs that support it (Ampere and later) and on CPUs that multiply bf16
+    natively (AVX512-BF16 / AMX / Arm BF16); float32 elsewhere (an AVX2-only CPU emulates bf16,
+    slower than float32)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        cuda = torch.device(device).type == "cuda"
+        native = torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
+    return torch.bfloat16 if precision == "bf16" else torch.float32

@@ -4,7 +4,10 @@ Both paths produce the same per-example dict, so a training loop cannot tell the
   {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "features": {layer: FloatTensor[T, h]},
    + when top-k is stored: "target_topk_ids": LongTensor[T, k], "target_topk_logprobs": FloatTensor[T, k]}
 `layer` indexes `output_hidden_states`: 0 is the embedding output, L (num_hidden_layers) the post-norm
-last hidden state. The cache stores features in fp16, so the two paths agree up to fp16 rounding.
+last hidden state. The cache stores features in fp16, so the two paths agree up to fp16 rounding; a bf16
+target's features convert to fp16 exactly within fp16's normal range (|x| in [6.1e-5, 65504]; larger
+values are refused). Online features stay in the target's dtype on its device; the cache reader returns
+features in the dtype it is asked for (the heads' compute dtype in training).
 
 Layout of out_dir: index.json (the shard plan, written first) and one folder per shard with
 input_ids.npy (int32 [N]), loss_mask.npy (uint8 [N]), offsets.npy (int64 [n+1]) and
@@ -50,10 +53,12 @@ def compute_features(
     attention_mask: torch.Tensor | None = None,
     store_target_topk: int | None = None,
 ) -> dict:
-    """One frozen-target forward. input_ids: [B, T] -> {"features": {layer: [B, T, h] float32}, ...}.
+    """One frozen-target forward. input_ids: [B, T] -> {"features": {layer: [B, T, h]}, ...}.
 
-    With store_target_topk=k also "target_topk_ids" [B, T, k] and "target_topk_logprobs" [B, T, k]
-    (log-softmax of the target's logits), enough to rebuild a truncated target distribution.
+    Features keep the target's dtype and stay on its device (no copy: training feeds them to the heads
+    there). With store_target_topk=k also "target_topk_ids" [B, T, k] and "target_topk_logprobs"
+    [B, T, k] float32 (log-softmax of the target's logits), enough to rebuild a truncated target
+    distribution.
     """
     layers = normalize_layers(model, layers)
     device = next(model.parameters()).device
@@ -63,28 +68,29 @@ def compute_features(
         output_hidden_states=True,
         use_cache=False,
     )
-    result: dict = {"features": {layer: out.hidden_states[layer].float().cpu() for layer in layers}}
+    result: dict = {"features": {layer: out.hidden_states[layer] for layer in layers}}
     if store_target_topk:
         top = torch.log_softmax(out.logits.float(), dim=-1).topk(store_target_topk, dim=-1)
-        result["target_topk_ids"] = top.indices.cpu()
-        result["target_topk_logprobs"] = top.values.cpu()
+        result["target_topk_ids"] = top.indices
+        result["target_topk_logprobs"] = top.values
     return result
 
 
 def example_features(
     model, example: dict, layers: Sequence[int], store_target_topk: int | None = None
 ) -> dict:
-    """The online path: one dataset row -> the per-example dict `HiddenStateCache` returns."""
+    """The online path: one dataset row -> the per-example dict `HiddenStateCache` returns (on the CPU,
+    features in the target's dtype)."""
     input_ids = torch.as_tensor(example["input_ids"], dtype=torch.long)
     computed = compute_features(model, input_ids[None], layers, store_target_topk=store_target_topk)
     result = {
         "input_ids": input_ids,
         "loss_mask": torch.as_tensor(example["loss_mask"], dtype=torch.long),
-        "features": {layer: f[0] for layer, f in computed["features"].items()},
+        "features": {layer: f[0].cpu() for layer, f in computed["features"].items()},
     }
     for key in ("target_topk_ids", "target_topk_logprobs"):
         if key in computed:
-            result[key] = computed[key][0]
+            result[key] = computed[key][0].cpu()
     return result
 
 
@@ -139,13 +145,14 @@ def _write_shard(model, rows: list[dict], layers: list[int], topk: int | None, d
         for j, i in enumerate(batch):
             n, out = len(rows[i]["input_ids"]), per_row[i]
             for layer, feats in computed["features"].items():
-                half = feats[j, :n].to(torch.float16)
+                half = feats[j, :n].to("cpu", torch.float16)
                 if not torch.isfinite(half).all():
                     raise OverflowError(f"layer {layer} features overflow fp16; cache another layer")
                 out[f"features_{layer}"] = half.numpy()
             if topk:
-                out["topk_ids"] = computed["target_topk_ids"][j, :n].numpy().astype(np.int32)
-                lp = computed["target_topk_logprobs"][j, :n].clamp(min=-60000.0)  # -inf would not round-trip
+                out["topk_ids"] = computed["target_topk_ids"][j, :n].cpu().numpy().astype(np.int32)
+                lp = computed["target_topk_logprobs"][j, :n].cpu()
+                lp = lp.clamp(min=-60000.0)  # -inf would not round-trip
                 out["topk_logprobs"] = lp.to(torch.float16).numpy()
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -241,10 +248,12 @@ class HiddenStateCache(torch.utils.data.Dataset):
 
     allow_partial: read only the shards finished so far (the dataset was shuffled before caching, so
     any set of shards is a random subset). Otherwise a missing shard is an error.
+    dtype: the dtype features are returned in (stored fp16; training asks for the heads' compute dtype).
     """
 
-    def __init__(self, out_dir: str | Path, allow_partial: bool = False):
+    def __init__(self, out_dir: str | Path, allow_partial: bool = False, dtype: torch.dtype = torch.float32):
         self.root = Path(out_dir)
+        self.dtype = dtype
         self.index = json.loads((self.root / INDEX_FILE).read_text())
         shards = self.index["shards"]
         missing = [s["name"] for s in shards if not (self.root / s["name"]).is_dir()]
@@ -266,6 +275,10 @@ class HiddenStateCache(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._length
 
+    def holds(self, dataset) -> bool:
+        """Whether this cache was computed from exactly `dataset`'s token rows, in its order."""
+        return self.index["dataset_fingerprint"] == _lengths_and_fingerprint(dataset)[1]
+
     def _shard(self, k: int) -> dict[str, np.ndarray]:
         if k not in self._open:  # mmap: only the pages an example touches are read
             folder = self.root / self.index["shards"][k]["name"]
@@ -286,7 +299,7 @@ class HiddenStateCache(torch.utils.data.Dataset):
         item = {
             "input_ids": take("input_ids", torch.long),
             "loss_mask": take("loss_mask", torch.long),
-            "features": {layer: take(f"features_{layer}", torch.float32) for layer in self.layers},
+            "features": {layer: take(f"features_{layer}", self.dtype) for layer in self.layers},
         }
         if self.index["store_target_topk"]:
             item["target_topk_ids"] = take("topk_ids", torch.long)

@@ -58,16 +58,35 @@ def cache_ready(config: RunConfig) -> bool:
 
 # Small shards: progress is visible and a killed preparation loses at most one shard of work.
 SHARD_TOKENS = 1 << 16
+HELDOUT_CACHE = "heldout"  # sub-folder of data.feature_cache holding the held-out split's features
 
 
-def prepare_features(config: RunConfig, target, train: datasets.Dataset, batch_size: int = 8) -> Path | None:
+def heldout_cache_dir(config: RunConfig) -> Path | None:
+    return Path(config.data.feature_cache) / HELDOUT_CACHE if config.data.feature_cache else None
+
+
+def prepare_features(
+    config: RunConfig,
+    target,
+    train: datasets.Dataset,
+    batch_size: int = 8,
+    heldout: datasets.Dataset | None = None,
+) -> Path | None:
+    """Cache the target's features of the training split, then of `heldout` (evaluation reads them
+    instead of running the target); both resumable."""
     if not config.data.feature_cache:
         return None
-    return cache_hidden_states(
-        target,
-        train,
-        config.data.feature_cache,
-        feature_layers(config, target),
-        shard_tokens=SHARD_TOKENS,
-        batch_size=batch_size,
+    layers = feature_layers(config, target)
+    out = cache_hidden_states(
+        target, train, config.data.feature_cache, layers, shard_tokens=SHARD_TOKENS, batch_size=batch_size
     )
+    if heldout is not None and len(heldout) > 0:
+        cache_hidden_states(
+            target,
+            heldout,
+            heldout_cache_dir(config),
+            layers,
+            shard_tokens=SHARD_TOKENS,
+            batch_size=batch_size,
+        )
+    return out

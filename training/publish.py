@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from selfdraft.bench.run import NEAR_TIE_NOTE, dtypes_lines, identical_cell, trees_lines
+from selfdraft.bench.divergence import NEAR_TIE_NOTE
+from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.training.checkpoint import RUN_FILE
 

@@ -9,7 +9,7 @@ would produce greedily, an estimate otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,8 +18,7 @@ from selfdraft.tree import TreeSpec
 MISS = 1 << 30  # rank of a token the draft cannot propose (outside its vocabulary)
 
 
-@dataclass(frozen=True)
-class DepthRanks:
+class DepthRanks(NamedTuple):  # a tuple: DeepSpeed's ZeRO-3 hooks walk a forward's outputs
     ranks: torch.Tensor  # [B, T] long: rank of the target's greedy token among the draft logits
     valid: torch.Tensor  # [B, T] bool
     offset: int

@@ -9,9 +9,10 @@ predecessors on the diagonal, which is exactly what tree drafting shows the head
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from selfdraft import kv
 from selfdraft.heads.eagle import EagleHead
@@ -20,12 +21,39 @@ from selfdraft.training.objectives import eagle_loss, forward_kl, medusa_loss, t
 from selfdraft.training.simulate import DepthRanks, label_ranks
 
 
-@dataclass
-class StepOutput:
-    loss: torch.Tensor
+class StepOutput(NamedTuple):
+    """A tuple, so DeepSpeed's engine finds the loss in a forward's output and hooks its backward."""
+
+    loss: torch.Tensor  # float32 scalar
     metrics: dict[str, float]
     # per depth: rank of the target's greedy token among the draft logits (see simulate.py)
     depths: list[DepthRanks]
+
+
+class DraftObjective(nn.Module):
+    """The heads and their training objective as one module whose forward returns the step's loss.
+
+    DeepSpeed's engine wraps this module, so every micro-step runs through `engine(...)`: the engine's
+    forward registers the backward hooks that tell ZeRO where a gradient-accumulation boundary is, and
+    ZeRO-3 gathers the heads' partitioned parameters around it. The target is not a submodule: its
+    lm_head weight comes in as an argument and never enters the engine or its optimizer.
+    """
+
+    def __init__(self, heads: nn.Module) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden: list[torch.Tensor | None],
+        lm_head_weight: torch.Tensor,
+        **step_kwargs,
+    ) -> StepOutput:
+        """Arguments of `eagle_step` / `medusa_step` (chosen by the heads' kind), without the heads."""
+        step = medusa_step if isinstance(self.heads, MedusaHeads) else eagle_step
+        return step(self.heads, input_ids, loss_mask, hidden, lm_head_weight, **step_kwargs)
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:

@@ -19,17 +19,24 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, load_heads
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.batches import SampleStream, collate
-from selfdraft.training.config import RunConfig, load_run_config
+from selfdraft.training.config import RunConfig, load_run_config, resolve_precision
 from selfdraft.training.distributed import init_distributed
 from selfdraft.training.feature_cache import HiddenStateCache, compute_features
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
-from selfdraft.training.prepare import cache_ready, feature_layers, prepare_features, prepare_splits
+from selfdraft.training.prepare import (
+    cache_ready,
+    feature_layers,
+    heldout_cache_dir,
+    prepare_features,
+    prepare_splits,
+)
 from selfdraft.training.simulate import simulated_tau
-from selfdraft.training.steps import StepOutput, eagle_step, medusa_step
+from selfdraft.training.steps import DraftObjective, StepOutput
 from selfdraft.tree import TreeSpec
 from selfdraft.tree_syntax import resolve_tree
 
@@ -68,7 +75,12 @@ def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
     return heads
 
 
-def deepspeed_config(config: RunConfig, world: int) -> dict:
+def deepspeed_config(config: RunConfig, world: int, dtype: torch.dtype) -> dict:
+    """The DeepSpeed JSON with the run's batch shape and precision filled in.
+
+    dtype (from train.precision) alone sets the mixed-precision mode, on CPU and GPU alike: bfloat16
+    turns on DeepSpeed's `bf16` mode (bf16 parameters and activations, fp32 master weights and
+    optimizer state); float32 turns it off. A JSON that asks for something else is refused."""
     ds = json.loads(Path(config.deepspeed).read_text())
     t = config.train
     ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
@@ -76,11 +88,18 @@ def deepspeed_config(config: RunConfig, world: int) -> dict:
     ds["train_batch_size"] = t.micro_batch_size * t.gradient_accumulation_steps * world
     ds["gradient_clipping"] = t.grad_clip
     ds.setdefault("steps_per_print", 10**9)
-    if torch.cuda.is_available():
-        ds.setdefault("bf16", {"enabled": True})
-    else:  # bf16 is slower than fp32 on AVX2 CPUs and DeepSpeed's CPU path expects fp32 here
-        ds["bf16"] = {"enabled": False}
-        ds["fp16"] = {"enabled": False}
+    bf16 = dtype == torch.bfloat16
+    if ds.get("fp16", {}).get("enabled", False):
+        raise UserError(
+            f"{config.deepspeed}: fp16 is not supported; set train.precision (auto | bf16 | fp32)"
+        )
+    if "enabled" in ds.get("bf16", {}) and ds["bf16"]["enabled"] != bf16:
+        raise UserError(
+            f"{config.deepspeed} sets bf16.enabled={ds['bf16']['enabled']}, but train.precision "
+            f"{config.train.precision!r} resolves to {dtype}; drop bf16 from the JSON (train.precision owns it)"
+        )
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16}
+    ds["fp16"] = {"enabled": False}
     return ds
 
 
@@ -102,74 +121,107 @@ def hidden_list(features: dict[int, torch.Tensor], num_layers: int) -> list[torc
 
 
 def run_step(
-    config: RunConfig, heads, batch: dict, target, ttt_steps: int | None = None, exact_labels: bool = False
+    config: RunConfig, model, batch: dict, target, ttt_steps: int | None = None, exact_labels: bool = False
 ) -> StepOutput:
+    """One forward of the heads' objective. model: the DeepSpeed engine (training, evaluation) or a bare
+    `DraftObjective`; both return a `StepOutput`."""
     hidden = hidden_list(batch["features"], target.config.num_hidden_layers)
     lm_head_weight = target.get_output_embeddings().weight
     t = config.train
     if config.heads.kind == "medusa":
-        return medusa_step(
-            heads,
-            batch["input_ids"],
-            batch["loss_mask"],
-            hidden,
-            lm_head_weight,
-            decay=t.medusa_decay,
-            hard_labels=t.medusa_hard_labels,
-            exact_labels=exact_labels,
-        )
-    return eagle_step(
-        heads,
-        batch["input_ids"],
-        batch["loss_mask"],
-        hidden,
-        lm_head_weight,
-        ttt_steps=ttt_steps or t.ttt_steps,
-        ttt_decay=t.ttt_decay,
-        feature_weight=t.feature_weight,
-        ce_weight=t.ce_weight,
-        exact_labels=exact_labels,
+        kwargs = {"decay": t.medusa_decay, "hard_labels": t.medusa_hard_labels}
+    else:
+        kwargs = {
+            "ttt_steps": ttt_steps or t.ttt_steps,
+            "ttt_decay": t.ttt_decay,
+            "feature_weight": t.feature_weight,
+            "ce_weight": t.ce_weight,
+        }
+    return model(
+        batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, exact_labels=exact_labels, **kwargs
     )
 
 
-def with_features(batch: dict, target, layers: list[int], device) -> dict:
-    """Add the frozen target's features to a batch that lacks them (the online path)."""
+def with_features(batch: dict, target, layers: list[int], device, dtype: torch.dtype) -> dict:
+    """Put a batch on `device` with its features in `dtype` (the heads' compute dtype); a batch without
+    cached features gets them from the frozen target (the online path), already on its device."""
     batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
     if "features" not in batch:
         out = compute_features(target, batch["input_ids"], layers, attention_mask=batch["attention_mask"])
         batch["features"] = out["features"]
-    else:
-        batch["features"] = {k: v.to(device) for k, v in batch["features"].items()}
+    batch["features"] = {k: v.to(device, dtype) for k, v in batch["features"].items()}
     return batch
 
 
+def eval_depths(config: RunConfig, tree: TreeSpec) -> int:
+    """How many draft depths evaluation scores: the EAGLE unroll length, or the Medusa head count."""
+    if config.heads.kind == "medusa":
+        return config.heads.medusa_num_heads
+    return max(EVAL_DEPTHS, tree.max_depth, config.train.ttt_steps)
+
+
 @torch.no_grad()
-def evaluate(config: RunConfig, heads, heldout, target, layers, device) -> dict:
+def evaluate(
+    config: RunConfig, model, heldout, target, layers, device, dtype, rank: int = 0, world: int = 1
+) -> dict:
+    """Held-out loss, top-1 accuracy per depth and simulated acceptance; a collective call.
+
+    Every rank calls it: batch k goes to rank k % world, results are summed with one all-reduce, and
+    every rank runs the same number of forwards (a rank short of a batch repeats its first one with
+    weight 0), because under ZeRO-3 each forward gathers the partitioned heads from all ranks. The
+    batches are the same for every world size, so the numbers do not depend on it.
+    """
     rows = [heldout[i] for i in range(min(len(heldout), config.schedule.eval_examples))]
     if not rows:
         return {}
-    was_training = heads.training
-    heads.eval()
+    size = config.train.micro_batch_size
+    batches = [rows[at : at + size] for at in range(0, len(rows), size)]
     tree = resolve_tree(config.schedule.eval_tree)
     chain = TreeSpec.chain(EVAL_DEPTHS)
-    results: list[tuple[list[float], float, float]] = []
-    losses = []
-    for at in range(0, len(rows), config.train.micro_batch_size):
-        batch = with_features(collate(rows[at : at + config.train.micro_batch_size]), target, layers, device)
-        depth = max(EVAL_DEPTHS, tree.max_depth, config.train.ttt_steps)
-        out = run_step(config, heads, batch, target, ttt_steps=depth, exact_labels=True)
-        losses.append(out.metrics["loss"])
+    depth = eval_depths(config, tree)
+    # sums over batches: [weight, loss, tau_chain, tau_tree, top1 per depth..., batches per depth...]
+    totals = torch.zeros(4 + 2 * depth, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for k in range(rank, math.ceil(len(batches) / world) * world, world):
+        weight = 1.0 if k < len(batches) else 0.0
+        batch = with_features(collate(batches[k if weight else 0]), target, layers, device, dtype)
+        out = run_step(config, model, batch, target, ttt_steps=depth, exact_labels=True)
         accs, chain_tau = simulated_tau(out.depths, chain)
-        results.append((accs, chain_tau, simulated_tau(out.depths, tree)[1]))
-    heads.train(was_training)
-    n = len(results)
+        tree_tau = simulated_tau(out.depths, tree)[1]
+        totals[:4] += weight * torch.tensor(
+            [1.0, out.metrics["loss"], chain_tau, tree_tau], dtype=torch.float64
+        )
+        totals[4 : 4 + len(accs)] += weight * torch.tensor(accs, dtype=torch.float64)
+        totals[4 + depth : 4 + depth + len(accs)] += weight
+    model.train(was_training)
+    if world > 1:
+        reduced = totals.to(device)
+        dist.all_reduce(reduced)
+        totals = reduced.cpu()
+    n = float(totals[0])
     return {
-        "eval_loss": sum(losses) / len(losses),
-        "eval_top1_by_depth": [sum(r[0][j] for r in results) / n for j in range(len(results[0][0]))],
-        "eval_simulated_tau_chain": sum(r[1] for r in results) / n,
-        "eval_simulated_tau_tree": sum(r[2] for r in results) / n,
+        "eval_loss": float(totals[1]) / n,
+        "eval_top1_by_depth": [
+            float(totals[4 + j] / totals[4 + depth + j]) for j in range(depth) if totals[4 + depth + j] > 0
+        ],
+        "eval_simulated_tau_chain": float(totals[2]) / n,
+        "eval_simulated_tau_tree": float(totals[3]) / n,
         "eval_tree": config.schedule.eval_tree,
     }
+
+
+def heldout_examples(config: RunConfig, heldout, layers: list[int], dtype: torch.dtype):
+    """The held-out rows evaluation reads: their cached features when `selfdraft prepare` wrote them
+    (see `prepare.heldout_cache_dir`), else the rows themselves (features computed online)."""
+    folder = heldout_cache_dir(config)
+    if folder is None or len(heldout) == 0:
+        return heldout
+    try:
+        cache = HiddenStateCache(folder, dtype=dtype)
+    except (FileNotFoundError, ValueError):
+        return heldout
+    return cache if cache.holds(heldout) and cache.layers == layers else heldout
 
 
 class RunLog:
@@ -213,8 +265,8 @@ def main(argv=None) -> int:
     config = load_run_config(args.config, overrides)
     rank, world, device = init_distributed()
     output_dir = Path(config.output_dir)
-    target, tokenizer = load_target(config.target)
-    target.to(device)
+    dtype = resolve_precision(config.train.precision, device)  # target, features and heads' compute
+    target, tokenizer = load_target(config.target, dtype=dtype, device=device)
     layers = feature_layers(config, target)
 
     meta = ckpt.run_meta(config.fingerprint(), world)
@@ -229,7 +281,7 @@ def main(argv=None) -> int:
             and not cache_ready(config)
             and world == 1
         ):
-            prepare_features(config, target, train)
+            prepare_features(config, target, train, heldout=heldout)
     dist.barrier()
     if rank != 0:
         train, heldout = prepare_splits(config, tokenizer)
@@ -239,10 +291,11 @@ def main(argv=None) -> int:
             f"{args.config}` first (it resumes where it stopped)"
         )
     examples = (
-        HiddenStateCache(config.data.feature_cache, allow_partial=config.data.partial_cache)
+        HiddenStateCache(config.data.feature_cache, allow_partial=config.data.partial_cache, dtype=dtype)
         if config.data.feature_cache
         else train
     )
+    heldout = heldout_examples(config, heldout, layers, dtype)
 
     heads = build_run_heads(config, target, train).to(device)
     stream = SampleStream(len(examples), config.train.seed, world, rank, config.train.micro_batch_size)
@@ -254,9 +307,9 @@ def main(argv=None) -> int:
         weight_decay=config.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train.warmup_steps, total))
-    ds_config = deepspeed_config(config, world)
+    ds_config = deepspeed_config(config, world, dtype)
     engine, _, _, _ = deepspeed.initialize(
-        model=heads, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        model=DraftObjective(heads), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
     zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
 
@@ -273,6 +326,8 @@ def main(argv=None) -> int:
             "world_size": world,
             "total_steps": total,
             "examples": len(examples),
+            "precision": str(dtype).removeprefix("torch."),
+            "device": str(device),
             "time": time.time(),
         }
     )
@@ -287,8 +342,9 @@ def main(argv=None) -> int:
                 target,
                 layers,
                 device,
+                dtype,
             )
-            out = run_step(config, engine.module, batch, target)
+            out = run_step(config, engine, batch, target)  # through the engine: ZeRO hooks, accumulation
             engine.backward(out.loss)
             engine.step()
             tokens_seen += int(batch["attention_mask"].sum())
@@ -309,22 +365,25 @@ def main(argv=None) -> int:
                     "world_size": world,
                 }
             )
-        if (step % config.schedule.eval_every == 0 or step == total) and rank == 0:
-            log.write({"step": step, **evaluate(config, engine.module, heldout, target, layers, device)})
+        # evaluation and saving are collective (every rank, same order): under ZeRO-3 both gather the
+        # heads' partitioned parameters from all ranks
+        if step % config.schedule.eval_every == 0 or step == total:
+            scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world)
+            log.write({"step": step, **scores})
         if step % config.schedule.save_every == 0 or step == total:
             engine.save_checkpoint(
                 str(output_dir / "checkpoints"),
                 tag=f"step-{step:07d}",
                 client_state={"step": step, "fingerprint": config.fingerprint()},
             )
-            ckpt.export_heads(engine, engine.module, output_dir, rank, zero_stage)
+            ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage)
             if rank == 0:
                 ckpt.prune_checkpoints(output_dir, config.schedule.keep_checkpoints)
                 log.write({"step": step, "event": "checkpoint"})
             dist.barrier()
     bar.close()
     log.write({"step": step, "event": "done", "train_seconds": time.perf_counter() - t_start})
-    ckpt.write_rank_report(output_dir, rank, world, step, engine.module)
+    ckpt.write_rank_report(output_dir, rank, world, step, engine.module.heads, zero_stage)
     dist.barrier()
     return 0
 

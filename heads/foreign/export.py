@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from selfdraft.errors import UserError
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.folder import CONFIG_NAME, WEIGHTS_NAME, read_heads_config, read_safetensors
 from selfdraft.heads.foreign.modules import layer_config_from_target
@@ -46,7 +47,7 @@ LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
 DEFAULT_SPECULATIVE_TOKENS = 5
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """Heads the requested engine cannot serve, or facts the engine's config needs that are unknown."""
 
 

@@ -1,0 +1,149 @@
+"""The layout: imports run one way (core <- heads <- inference <- bench <- training <- scripts), the
+inference path needs no training extras, and one generate step crosses few files."""
+
+import ast
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from selfdraft.inference import SelfDraftModel
+
+from tiny_models import random_heads, tiny_target
+
+ROOT = Path(__file__).resolve().parent.parent
+# layer rank by package; the core is every module directly in selfdraft/
+LAYERS = {"core": 0, "heads": 1, "inference": 2, "bench": 3, "training": 4, "scripts": 5}
+FOLDERS = {"selfdraft": "core", "heads": "heads", "inference": "inference", "bench": "bench",
+           "training": "training", "scripts": "scripts"}
+
+
+def layer_of_module(name: str) -> str | None:
+    """`selfdraft.heads.foreign.read` -> heads; `selfdraft.kv` -> core; other packages -> None."""
+    parts = name.split(".")
+    if parts[0] != "selfdraft":
+        return None
+    if len(parts) == 1 or parts[1] not in LAYERS or parts[1] == "core":
+        return "core" if len(parts) == 1 or parts[1] not in ("configs", "checkpoints") else None
+    return parts[1]
+
+
+def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
+    """Every module `path` imports, at any depth (function-level imports included), absolute names."""
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against this file's package
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            out.append((node.lineno, module))
+            # `from selfdraft import kv` imports the module selfdraft.kv
+            out += [(node.lineno, f"{module}.{alias.name}") for alias in node.names if module == "selfdraft"]
+    return out
+
+
+def upward_imports(root: Path) -> list[str]:
+    """'file:line imports X (layer A -> higher layer B)' for every import against the direction."""
+    problems = []
+    for folder, layer in FOLDERS.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root / folder).with_suffix("")
+            package = ".".join(["selfdraft"] + ([] if layer == "core" else [layer]) + list(rel.parts[:-1]))
+            for line, module in imported_modules(path, package):
+                target = layer_of_module(module)
+                if target is not None and LAYERS[target] > LAYERS[layer]:
+                    problems.append(f"{path.relative_to(root)}:{line} imports {module} ({layer} -> {target})")
+    return problems
+
+
+def test_imports_run_one_way():
+    assert upward_imports(ROOT) == []
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    """The check is not vacuous: a copy of the tree with one reintroduced cycle fails it."""
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+        for path in (ROOT / folder).rglob("*.py"):
+            dest = tmp_path / folder / path.relative_to(ROOT / folder)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(path.read_text())
+    eagle = tmp_path / "heads" / "eagle.py"
+    eagle.write_text(eagle.read_text() + "\nfrom selfdraft.inference import kv_helpers  # noqa\n")
+    prompts = tmp_path / "bench" / "prompts.py"
+    prompts.write_text(prompts.read_text() + "\ndef f():\n    from selfdraft.training.data import x  # noqa\n")
+    found = upward_imports(tmp_path)
+    assert len(found) == 2
+    assert any("heads/eagle.py" in p and "(heads -> inference)" in p for p in found)
+    assert any("bench/prompts.py" in p and "(bench -> training)" in p for p in found)
+
+
+def test_no_lazy_module_getattr():
+    """Import cycles are not hidden behind a module-level __getattr__."""
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            names = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
+            assert "__getattr__" not in names, path
+
+
+def test_inference_and_bench_need_no_training_extras():
+    code = (  # heads, inference and bench each import on their own, without the training extras
+        "import sys, selfdraft.heads, selfdraft.inference, selfdraft.bench.run, selfdraft.bench.report, "
+        "selfdraft.scripts.generate, selfdraft.scripts.bench; "
+        "print(sorted(m for m in ('datasets', 'deepspeed', 'peft', 'selfdraft.training') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_one_generate_step_crosses_at_most_seven_files():
+    """Trace one speculative step (draft -> verify -> accept -> compact) with EAGLE heads, a dynamic
+    tree and a prompt-lookup branch (the shipped configuration): the project files it executes."""
+    target = tiny_target("llama")
+    model = SelfDraftModel(target, None, random_heads(target, "eagle", 0), tree="dynamic+lookup=4")
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    model.generate(prompt, 3)  # warm caches so the traced call is a plain step
+    files: set[str] = set()
+    in_step = False
+
+    def inside_loop(frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name == "speculative_generate":
+                return True
+            frame = frame.f_back
+        return False
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        ours = name.startswith(str(ROOT)) and not name.startswith((str(ROOT / "tests"), str(ROOT / ".venv")))
+        if in_step and ours and inside_loop(frame):
+            files.add(str(Path(name).relative_to(ROOT)))
+        return None
+
+    # everything from the first draft of the traced call on: draft, verify, accept, compact, repeat
+    real_draft = type(model.tree).draft
+
+    def traced_draft(self, *args, **kwargs):
+        nonlocal in_step
+        in_step = True
+        return real_draft(self, *args, **kwargs)
+
+    type(model.tree).draft = traced_draft
+    sys.setprofile(tracer)
+    threading.setprofile(tracer)
+    try:
+        model.generate(prompt, 3)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        type(model.tree).draft = real_draft
+    assert files, "the tracer saw nothing"
+    assert len(files) <= 7, sorted(files)
