@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from pathlib import Path
 
 from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.plots import plot
+
+logger = logging.getLogger(__name__)
 
 
 def summarize(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
@@ -160,6 +163,10 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
     (out_dir / "bench.md").write_text(markdown_table(report))
-    pngs = plot(report, out_dir)
+    try:  # the measurements are on disk already; plots are a view of them
+        pngs = plot(report, out_dir)
+    except ImportError:
+        logger.warning("plots skipped: matplotlib is not installed (pip install 'selfdraft[bench]')")
+        pngs = []
     return {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md", **{p.stem: p for p in pngs}}
 

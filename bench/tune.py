@@ -7,6 +7,7 @@ verify-cost curve of the target. The tree with the highest expected tokens/s win
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from dataclasses import dataclass
@@ -14,8 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from selfdraft.bench.timing import verify_cost_curve
+from selfdraft.errors import UserError
 from selfdraft.inference.model import SelfDraftModel
 from selfdraft.tree_syntax import resolve_tree
+
+logger = logging.getLogger(__name__)
 
 CANDIDATES = [
     "chain-1",
@@ -66,11 +70,18 @@ def score_trees(
     max_new_tokens: int = 64,
     curve: dict[int, float] | None = None,
 ) -> list[TreeScore]:
-    curve = curve or verify_cost_curve(model.target, [1, 2, 4, 8, 16, 32, 64])
-    runs: dict[str, list] = {c: [] for c in candidates}
+    limit = getattr(model.heads, "max_draft_depth", None)
     shapes = {c: resolve_tree(c) for c in candidates}
+    skipped = [c for c, shape in shapes.items() if limit is not None and shape.draft_depth > limit]
+    if skipped:
+        logger.warning("skipped %d trees deeper than the heads' %d levels: %s", len(skipped), limit, skipped)
+    shapes = {c: shape for c, shape in shapes.items() if c not in skipped}
+    if not shapes:
+        raise UserError(f"no candidate tree fits heads that draft {limit} levels; pass shallower --candidates")
+    curve = curve or verify_cost_curve(model.target, [1, 2, 4, 8, 16, 32, 64])
+    runs: dict[str, list] = {c: [] for c in shapes}
     for ids in prompts:
-        for c in candidates:  # interleaved per prompt
+        for c in shapes:  # interleaved per prompt
             runs[c].append(model.generate(ids, max_new_tokens, tree=shapes[c]))
     scores = []
     for c, outs in runs.items():

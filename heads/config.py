@@ -6,6 +6,8 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from selfdraft.errors import UserError
+
 HEAD_KINDS = ("medusa", "eagle")
 # "selfdraft": our EAGLE head (a 1-layer body of the target's own class); "eagle1" / "eagle3": the
 # published EAGLE-1 / EAGLE-3 head architectures (selfdraft.heads.foreign.modules), for converted checkpoints.
@@ -55,19 +57,19 @@ class HeadsConfig(PretrainedConfig):
         **kwargs,
     ) -> None:
         if head_kind not in HEAD_KINDS:
-            raise ValueError(f"head_kind={head_kind!r}; expected one of {HEAD_KINDS}")
+            raise UserError(f"head_kind={head_kind!r}; expected one of {HEAD_KINDS}")
         if medusa_num_heads < 1 or medusa_num_layers < 0:
-            raise ValueError("medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
+            raise UserError("medusa_num_heads must be >= 1 and medusa_num_layers >= 0")
         if (
             draft_vocab_size is not None
             and target_vocab_size
             and not 0 < draft_vocab_size <= target_vocab_size
         ):
-            raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in 1..target_vocab_size")
+            raise UserError(f"draft_vocab_size={draft_vocab_size} must be in 1..target_vocab_size")
         if eagle_layout not in EAGLE_LAYOUTS:
-            raise ValueError(f"eagle_layout={eagle_layout!r}; expected one of {EAGLE_LAYOUTS}")
+            raise UserError(f"eagle_layout={eagle_layout!r}; expected one of {EAGLE_LAYOUTS}")
         if eagle_layout != "selfdraft" and head_kind != "eagle":
-            raise ValueError(f"eagle_layout={eagle_layout!r} needs head_kind='eagle', not {head_kind!r}")
+            raise UserError(f"eagle_layout={eagle_layout!r} needs head_kind='eagle', not {head_kind!r}")
         self.head_kind = head_kind
         self.target_model_type = target_model_type
         self.target_hidden_size = target_hidden_size

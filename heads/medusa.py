@@ -41,6 +41,11 @@ class MedusaHeads(BorrowingModule):
     def num_heads(self) -> int:
         return len(self.blocks)
 
+    @property
+    def max_draft_depth(self) -> int:
+        """Head d proposes depth d+1, so no drafted tree can be deeper than the number of heads."""
+        return self.num_heads
+
     def init_projection_from_target(self) -> None:
         """Own vocab projections start as (rows of) the target's lm_head, as Medusa does."""
         if self.lm_heads is None:

@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from selfdraft.errors import UserError
 from selfdraft.tree import TreeSpec
 
 _SEED_RANGE = 2**62  # seeds drawn from torch's global RNG for unseeded runs
@@ -44,15 +45,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
-            raise ValueError(f"top_k must be an integer or None, got {self.top_k!r}")
+            raise UserError(f"top_k must be an integer or None, got {self.top_k!r}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 (or None to disable), got {self.top_k}")
+            raise UserError(f"top_k must be >= 1 (or None to disable), got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (or None to disable), got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1] (or None to disable), got {self.top_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise UserError(f"seed must be an integer or None, got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:

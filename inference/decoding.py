@@ -134,10 +134,11 @@ def _first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> i
 
 
 def _tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeShape | None:
-    """The tree if its deepest node still has a position inside the context; else a shorter chain."""
+    """The tree if its deepest node still has a position inside the context; else a shorter chain,
+    never deeper than what the drafter proposes for this shape (Medusa has one head per depth)."""
     if limit is None or prefix_len + spec.max_depth < limit:
         return spec
-    room = limit - prefix_len - 1
+    room = min(limit - prefix_len - 1, spec.draft_depth)
     return TreeSpec.chain(room) if room >= 0 else None
 
 
@@ -164,7 +165,7 @@ def speculative_generate(
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     limit = max_context(target)
     prompt_len = input_ids.shape[1]
-    if limit is not None and prompt_len >= limit:
+    if limit is not None and prompt_len > limit:
         raise UserError(
             f"the prompt has {prompt_len} tokens but the target's context holds {limit}; shorten the prompt"
         )

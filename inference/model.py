@@ -14,6 +14,7 @@ from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
 from selfdraft.precision import AUTO, parse_dtype, resolve_draft_dtype
 from selfdraft.target import load_target
+from selfdraft.tree import TreeShape
 from selfdraft.tree_syntax import TreeLike, resolve_tree
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,46 @@ SHIPPED = "shipped"
 TREE_FILE = "tree.yaml"  # optional, next to a heads checkpoint: the tree shape chosen for it
 DEFAULT_TREE = "small"  # heads= default: the checkpoint shipped for an embedded target, if any
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+
+# generation_config settings that make `target.generate` emit other tokens and that selfdraft does not
+# apply, with the value that turns each off. Outputs equal `target.generate` with these off.
+UNAPPLIED_GENERATION_SETTINGS = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "exponential_decay_length_penalty": None,
+}
+
+
+def unapplied_generation_settings(generation_config) -> dict[str, object]:
+    """The settings of `generation_config` that selfdraft does not apply, with their values."""
+    out = {}
+    for name, off in UNAPPLIED_GENERATION_SETTINGS.items():
+        value = getattr(generation_config, name, off)
+        if value not in (off, None) and value != [] and value != {}:
+            out[name] = value
+    return out
+
+
+def warn_unapplied_generation_config(target) -> None:
+    found = unapplied_generation_settings(target.generation_config)
+    if found:
+        settings = ", ".join(f"{k}={v!r}" for k, v in found.items())
+        logger.warning(
+            "the target's generation_config sets %s, which selfdraft does not apply: outputs equal "
+            "target.generate with them off (set model.target.generation_config.<name> to %s to compare)",
+            settings,
+            ", ".join(repr(UNAPPLIED_GENERATION_SETTINGS[k]) for k in found),
+        )
+
 
 def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | None:
     kinds = [head_kind] if head_kind else ["eagle", "medusa"]
@@ -32,7 +73,9 @@ def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | 
     return None
 
 
-def _as_prompt_ids(input_ids, device) -> torch.Tensor:
+def _as_prompt_ids(input_ids, device, vocab_size: int) -> torch.Tensor:
+    if isinstance(input_ids, str | bytes):
+        raise UserError("generate takes token ids, not text; encode it first, e.g. model.chat_ids(text)")
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
     if ids.dim() == 1:
         ids = ids[None]
@@ -42,18 +85,50 @@ def _as_prompt_ids(input_ids, device) -> torch.Tensor:
         )
     if ids.shape[1] == 0:
         raise UserError("input_ids is empty; pass at least one prompt token")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise UserError(
+            f"token id {int(bad[0])} is outside the target's vocabulary (0..{vocab_size - 1}); "
+            "encode the prompt with this target's tokenizer"
+        )
     return ids
+
+
+def prompt_text(prompt: str | bytes) -> str:
+    """The prompt as text: bytes are decoded as UTF-8; text that cannot be UTF-8 is refused."""
+    try:
+        text = prompt.decode("utf-8") if isinstance(prompt, bytes) else str(prompt)
+        text.encode("utf-8")
+    except UnicodeError as err:
+        raise UserError(
+            f"the prompt is not valid UTF-8 text ({err.reason} at byte {err.start}); re-encode it as UTF-8"
+        ) from err
+    return text
 
 
 class SelfDraftModel:
     """Holds a target, its tokenizer and heads; `generate` decodes speculatively and losslessly."""
 
-    def __init__(self, target, tokenizer, heads, tree: TreeLike = DEFAULT_TREE) -> None:
+    def __init__(self, target, tokenizer, heads, tree: TreeLike | None = None) -> None:
+        """tree: None = the default shape, cut to what the heads can draft (Medusa: one head per depth)."""
         check_compatible(heads.config, target.config)
         self.target = target
         self.tokenizer = tokenizer
         self.heads = heads.attach(target).to(target.device).eval()
-        self.tree = resolve_tree(tree)
+        self.tree = self._fitting_tree(tree)
+        warn_unapplied_generation_config(target)
+
+    def _fitting_tree(self, tree: TreeLike | None) -> TreeShape:
+        shape = resolve_tree(DEFAULT_TREE if tree is None else tree)
+        limit = getattr(self.heads, "max_draft_depth", None)
+        if limit is None or shape.draft_depth <= limit:
+            return shape
+        if tree is None:
+            return shape.limited(limit)
+        raise UserError(
+            f"tree {shape.describe()} drafts {shape.draft_depth} deep but these heads propose at most "
+            f"{limit} levels; choose a tree at most {limit} deep (e.g. chain-{limit})"
+        )
 
     @classmethod
     def from_pretrained(
@@ -80,6 +155,8 @@ class SelfDraftModel:
         target on a CPU with native bf16 (AVX512-BF16, AMX), else the target's. Heads only change
         speed, so bfloat16 heads on a float32 target keep the output exact and draft about twice as fast.
         """
+        if tree is not None:
+            resolve_tree(tree)  # a bad tree fails before a long target load
         model, tokenizer = load_target(
             target, attn_implementation=attn_implementation, dtype=parse_dtype(dtype), **target_kwargs
         )
@@ -121,13 +198,12 @@ class SelfDraftModel:
             module = load_heads(heads, target, dtype=dtype)
             if tree is None and (Path(heads) / TREE_FILE).is_file():
                 tree = str(Path(heads) / TREE_FILE)  # the shape tuned for these heads
-        return cls(target, tokenizer, module, tree=tree or DEFAULT_TREE)
+        return cls(target, tokenizer, module, tree=tree)
 
     def default_stop_ids(self) -> list[int]:
+        """The target's own stop ids (its generation_config's eos_token_id), as `target.generate` uses."""
         ids = self.target.generation_config.eos_token_id
         ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))
 
     def generate(
@@ -149,8 +225,8 @@ class SelfDraftModel:
         return speculative_generate(
             self.target,
             self.heads,
-            _as_prompt_ids(input_ids, self.target.device),
-            spec=resolve_tree(tree) if tree is not None else self.tree,
+            _as_prompt_ids(input_ids, self.target.device, self.target.get_input_embeddings().num_embeddings),
+            spec=self._fitting_tree(tree) if tree is not None else self.tree,
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
             stop_token_ids=self.default_stop_ids() if stop_token_ids is None else stop_token_ids,
@@ -158,8 +234,10 @@ class SelfDraftModel:
             streamer=streamer,
         )
 
-    def chat_ids(self, prompt: str) -> torch.Tensor:
-        """Token ids of `prompt` as one user turn in the target's chat template (plain text without one)."""
+    def chat_ids(self, prompt: str | bytes) -> torch.Tensor:
+        """Token ids of `prompt` as one user turn in the target's chat template (plain text without one).
+        Bytes must be UTF-8."""
+        prompt = prompt_text(prompt)
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True

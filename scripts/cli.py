@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"selfdraft {args.command}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"selfdraft {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

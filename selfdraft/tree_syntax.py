@@ -37,7 +37,10 @@ def read_tree_file(path: Path) -> TreeShape:
     """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
     `lookup: {tokens, max_ngram, min_ngram}` branch, and an optional `description:` / `measured:`
     block; anything else is rejected."""
-    data = yaml.safe_load(Path(path).read_text())
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise UserError(f"{path}: cannot read the tree file ({err}); fix or remove it") from err
     if not isinstance(data, dict) or set(data) - FILE_KEYS or ("paths" in data) == ("dynamic" in data):
         raise UserError(
             f"{path}: a tree file holds exactly one of `paths:` or `dynamic:` (keys: {sorted(FILE_KEYS)})"
@@ -46,15 +49,18 @@ def read_tree_file(path: Path) -> TreeShape:
         options = data["dynamic"]
         if not isinstance(options, dict) or set(options) - DYNAMIC_KEYS:
             raise UserError(f"{path}: `dynamic:` takes {sorted(DYNAMIC_KEYS)}")
-        base: TreeSpec | DynamicTree = DynamicTree(**options)
-    else:
-        base = TreeSpec.from_paths(data["paths"])
-    if "lookup" not in data:
-        return base
-    options = data["lookup"]
-    if not isinstance(options, dict) or set(options) - LOOKUP_KEYS:
-        raise UserError(f"{path}: `lookup:` takes {sorted(LOOKUP_KEYS)}")
-    return LookupTree(base, PromptLookup(**options))
+    try:
+        base: TreeSpec | DynamicTree = (
+            DynamicTree(**data["dynamic"]) if "dynamic" in data else TreeSpec.from_paths(data["paths"])
+        )
+        if "lookup" not in data:
+            return base
+        options = data["lookup"]
+        if not isinstance(options, dict) or set(options) - LOOKUP_KEYS:
+            raise UserError(f"`lookup:` takes {sorted(LOOKUP_KEYS)}")
+        return LookupTree(base, PromptLookup(**options))
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{path}: {err}") from err
 
 
 def _shape_fields(tree: TreeShape) -> dict:

@@ -33,6 +33,12 @@ def _check_type(value, annotation, where: str):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         (item,) = typing.get_args(annotation)
         return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, str):
+        # YAML 1.1 reads `1e-3` (no dot) as a string; a number written that way is still a number
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got the string {value!r}") from None
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, float) and not math.isfinite(value):
