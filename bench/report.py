@@ -12,6 +12,9 @@ from selfdraft.bench.plots import plot
 
 logger = logging.getLogger(__name__)
 
+# the phases of one speculative step, as GenerationStats times them
+PHASES = ("draft", "verify", "accept", "compact", "observe", "other")
+
 
 def summarize(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     """Per (prompt set, method, temperature): medians over prompts of per-prompt medians."""
@@ -58,12 +61,17 @@ def summarize(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
                         )
                         for d in range(depth)
                     ]
-                    record["draft_ms_per_step"] = statistics.median(v["draft_ms_per_step"] for v in vals)
-                    record["verify_ms_per_step"] = statistics.median(v["verify_ms_per_step"] for v in vals)
+                    for phase in PHASES:
+                        key = f"{phase}_ms_per_step"
+                        if all(key in v for v in vals):  # reports written before a phase was timed lack it
+                            record[key] = statistics.median(v[key] for v in vals)
+                    # a plain decode step of the same run: the baseline's seconds per token on these prompts
+                    decode = [base[p]["seconds"] / max(1, len(base[p]["tokens"])) for p in mine if p in base]
+                    if decode:
+                        record["decode_ms_per_token"] = 1000 * statistics.median(decode)
                     record["tree_tokens"] = statistics.median(v["tree_tokens"] for v in vals)
                 out.append(record)
     return out
-
 
 
 def _per_prompt(rows, method, temperature, ids) -> dict[str, dict]:
@@ -75,10 +83,8 @@ def _per_prompt(rows, method, temperature, ids) -> dict[str, dict]:
     return {p: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2] for p, rs in grouped.items()}
 
 
-
 def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
-
 
 
 def markdown_table(report: dict) -> str:
@@ -103,6 +109,7 @@ def markdown_table(report: dict) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += trees_lines(report)
+    lines += phase_lines(report)
     curve = report["verify_cost_seconds"]
     one = curve["1"]
     lines += [
@@ -121,6 +128,26 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def phase_lines(report: dict) -> list[str]:
+    """Where one speculative step's time goes, in ms and relative to a plain decode step of the run."""
+    rows = [r for r in report["summary"] if "decode_ms_per_token" in r and "accept_ms_per_step" in r]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Step phases (median ms per step; step / decode = the whole step over one plain decode step "
+        "of the baseline, same run):",
+        "",
+        "| prompts | method | T | " + " | ".join(PHASES) + " | step / decode |",
+        "|---|---|---|" + "---|" * (len(PHASES) + 1),
+    ]
+    for r in rows:
+        phases = [r[f"{phase}_ms_per_step"] for phase in PHASES]
+        cells = [r["prompts"], r["method"], f"{r['temperature']:g}", *(f"{v:.1f}" for v in phases)]
+        cells.append(f"{sum(phases) / r['decode_ms_per_token']:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
 
 def dtypes_lines(report: dict) -> list[str]:
     """Markdown lines naming the target's and each method's heads' dtype (empty when not recorded)."""
@@ -130,14 +157,12 @@ def dtypes_lines(report: dict) -> list[str]:
     return ["", "dtypes: " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) + "."]
 
 
-
 def trees_lines(report: dict) -> list[str]:
     """Markdown lines naming the tree each selfdraft method used (empty when the report has none)."""
     trees = report.get("trees", {})
     if not trees:
         return []
     return ["", "Trees: " + "; ".join(f"`{label}`: {text}" for label, text in trees.items()) + "."]
-
 
 
 def identical_cell(record: dict) -> str:
@@ -155,7 +180,6 @@ def identical_cell(record: dict) -> str:
         + (f" ({ties} near-tie)" if ties else "")
         + (" NO" if record["identical_prompts"] + ties < record["n"] else "")
     )
-
 
 
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:

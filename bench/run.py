@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from selfdraft.bench.divergence import first_divergence, float32_reference
 from selfdraft.bench.prompts import Prompt, load_prompt_set
-from selfdraft.bench.report import summarize
+from selfdraft.bench.report import PHASES, summarize
 from selfdraft.bench.timing import Timed, run_baseline, run_speculative, verify_cost_curve
 from selfdraft.errors import UserError
 from selfdraft.inference.drafting import heads_dtype
@@ -41,14 +41,12 @@ class BenchConfig:
     output_dir: str = "runs/bench"
 
 
-
 @dataclass(frozen=True)
 class Method:
     label: str
     kind: str  # baseline | prompt-lookup | assisted | selfdraft
     arg: str | None = None  # heads (selfdraft) or draft model (assisted)
     tree: str | None = None
-
 
 
 def parse_method(spec: str) -> Method:
@@ -64,7 +62,6 @@ def parse_method(spec: str) -> Method:
     raise UserError(
         f"unknown method {spec!r}: baseline, prompt-lookup, assisted:DRAFT, selfdraft:HEADS[:TREE]"
     )
-
 
 
 class Runner:
@@ -127,8 +124,10 @@ class Runner:
                 "per_depth_acceptance": s.per_depth_acceptance,
                 "tree_passes": s.tree_passes,
                 "tree_tokens": s.tree_tokens / max(1, s.tree_passes),
-                "draft_ms_per_step": 1000 * s.draft_time / max(1, s.tree_passes),
-                "verify_ms_per_step": 1000 * s.verify_time / max(1, s.tree_passes),
+                **{
+                    f"{phase}_ms_per_step": 1000 * getattr(s, f"{phase}_time") / max(1, s.tree_passes)
+                    for phase in PHASES
+                },
             }
         extra = {}
         if method.kind == "prompt-lookup":
@@ -137,7 +136,6 @@ class Runner:
             extra["assistant_model"] = self.assistants[method.label]
         timed: Timed = run_baseline(self.base, ids, n, generate_kwargs=extra, temperature=temperature)
         return {"tokens": timed.tokens, "seconds": timed.seconds}
-
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -190,7 +188,6 @@ def run_bench(config: BenchConfig) -> dict:
         "verify_cost_seconds": {str(b): t for b, t in curve.items()},
         "summary": summarize(rows, sets),
     }
-
 
 
 def mark_divergences(target, rows: list[dict], prompt_ids: dict[str, torch.Tensor]) -> None:

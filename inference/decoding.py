@@ -41,9 +41,13 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     depth_offered: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
+    # seconds per phase, summed over tree passes (`selfdraft bench` reports them per step)
     prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
+    draft_time: float = 0.0  # the heads propose the tree (the shape's growth loop included)
+    verify_time: float = 0.0  # the target's pass over the tree, mask and positions included
+    accept_time: float = 0.0  # acceptance: argmax or warped p and rejection sampling
+    compact_time: float = 0.0  # KV compaction to the accepted path
+    observe_time: float = 0.0  # the drafter takes the accepted path's features
     total_time: float = 0.0
     finish_reason: str = ""
 
@@ -52,6 +56,12 @@ class GenerationStats:
         if not self.tree_passes:
             return 0.0
         return sum(n + 1 for n in self.accepted_lengths) / self.tree_passes
+
+    @property
+    def other_time(self) -> float:
+        """Seconds of the loop outside the measured phases (Python bookkeeping, streaming)."""
+        phases = self.prefill_time + self.draft_time + self.verify_time + self.accept_time
+        return max(0.0, self.total_time - phases - self.compact_time - self.observe_time)
 
     @property
     def per_depth_acceptance(self) -> list[float]:
@@ -214,17 +224,24 @@ def speculative_generate(
         tree, tokens = shape.draft(drafter, root, context)  # a concrete TreeSpec, whatever the shape
         t1 = time.perf_counter()
         passed = verify_tree(target, cache, tokens.to(input_ids.device), tree)
+        t2 = time.perf_counter()
         result = _accept(passed, tokens, tree, sampling, acceptance, generator)
+        t3 = time.perf_counter()
         path = torch.tensor([0, *result.accepted], dtype=torch.long, device=input_ids.device)
         kv.keep_positions(cache, prefix, prefix + path)
-        stats.verify_time += time.perf_counter() - t1
+        t4 = time.perf_counter()
         stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.accept_time += t3 - t2
+        stats.compact_time += t4 - t3
         stats.record(len(result.accepted), tree.max_depth, tree.size)
 
         new = [int(tokens[a]) for a in result.accepted] + [result.next_token]
         done = emit(new)
         if not done:
+            t5 = time.perf_counter()
             drafter.observe(torch.tensor(new), passed.hidden_states, path)
+            stats.observe_time += time.perf_counter() - t5
         root = result.next_token
 
     stats.total_time = time.perf_counter() - start

@@ -60,9 +60,15 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
         "selfdraft:none": "bfloat16",
         "selfdraft:none:chain-2": "bfloat16",
     }
+    for r in spec:  # every phase of a step is timed, and they add up to less than the whole run
+        phases = [r[f"{phase}_ms_per_step"] for phase in ("draft", "verify", "accept", "compact", "observe", "other")]
+        assert all(v >= 0 for v in phases) and r["decode_ms_per_token"] > 0
     table = (out / "bench.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    main, _, phase_table = table.partition("Step phases")
+    rows = [line for line in main.splitlines() if line.startswith("| ")]
     assert len(rows) == len(report["summary"]) + 1 and "bonus" in table  # header + one row each
+    phase_rows = [line for line in phase_table.splitlines() if line.startswith("| ")]
+    assert len(phase_rows) == len(spec) + 1 and all(line.endswith("x |") for line in phase_rows[1:])
     for name in ("verify_cost.png", "acceptance_by_depth.png", "speedup_by_tree_size.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
