@@ -27,8 +27,9 @@ class HeadsConfig(PretrainedConfig):
     target_config: the target's config as a dict (EAGLE builds a 1-layer decoder from it).
     eagle_layout: which EAGLE head architecture (see EAGLE_LAYOUTS); only "selfdraft" is our own.
     eagle_layer_config: for "eagle1"/"eagle3", the published decoder layer's own dimensions (hidden,
-        heads, RoPE, biases, ...; see selfdraft.heads.foreign.modules.LAYER_KEYS); None derives them from
-        target_config.
+        heads, RoPE, biases, ...) and EAGLE-3 options (norm_before_residual; norm_output, EAGLE-3.1's
+        post-norm feedback); see selfdraft.heads.foreign.modules.LAYER_KEYS. None derives them from
+        target_config (options off). A missing option reads as off.
     eagle_own_embedding: the head carries its own token embedding (a converted checkpoint whose
         embedding is not the target's) instead of borrowing the target's.
     converted_from: provenance of a converted checkpoint (layout, source config facts), or None.

@@ -11,7 +11,13 @@ contradict is never trusted (the official Medusa config states the wrong head co
     eagle3       EAGLE-3 (yuhuili/EAGLE3-*) and its SGLang variant (architectures LlamaForCausalLMEagle3):
                  `midlayer.*`, `fc.weight` (3h -> h), `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
     speculators  vLLM speculators EAGLE-3 (`speculators_model_type`, `transformer_layer_config`): the
-                 same tensors with `midlayer.*` named `layers.0.*`
+                 same tensors with `midlayer.*` named `layers.0.*`; optional `norm_before_residual`
+                 (absent reads as True, as vLLM's speculators config loader does) and `norm_output`
+                 (EAGLE-3.1); `norm_before_fc` / `fc_norm` are refused (UnsupportedVariantError)
+    speculators-eagle1  speculators EAGLE-1 / HASS (`speculators_model_type` "eagle"):
+                 `fusion_fc.weight/bias` (2h -> h) and `transformer.*` (the layer, no input_layernorm);
+                 read as eagle1. Its `layernorms: true` variant (embedding_layernorm,
+                 pre_lm_head_layernorm) is refused
 
 Exact vs approximate: Medusa-1 heads run as our MedusaHeads (own vocab projection per head) on the
 target's last, post-norm hidden state, exactly as Medusa feeds them. EAGLE-1 and EAGLE-3 heads run in
@@ -48,6 +54,7 @@ from selfdraft.heads.foreign.read import (
     MEDUSA_KEY,
     Checkpoint,
     UnknownLayoutError,
+    UnsupportedVariantError,
     detect_layout,
     read_checkpoint,
 )
@@ -187,6 +194,7 @@ def _layer_config(src: dict, tensors: dict[str, torch.Tensor], prefix: str, hidd
         "mlp_bias": prefix + "mlp.gate_proj.bias" in tensors,
         "input_layernorm": prefix + "input_layernorm.weight" in tensors,
         "norm_before_residual": bool(src.get("norm_before_residual", False)),
+        "norm_output": bool(src.get("norm_output", False)),
     }
 
 
@@ -215,20 +223,52 @@ def _embedding(state: dict, target: nn.Module | None) -> bool:
     return True
 
 
-def _eagle1(ckpt: Checkpoint, target: nn.Module | None) -> tuple[HeadsConfig, dict]:
-    extra = [n for n in ckpt.tensors if n.startswith("layers.") and not n.startswith("layers.0.")]
+def _speculators_eagle1_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """speculators EAGLE-1 / HASS names -> the EAGLE-1 reference names (fusion_fc -> fc,
+    transformer -> layers.0), as speculators' own EagleConverter mapped them the other way."""
+    cfg = ckpt.config
+    extra_norms = sorted(
+        n
+        for n in ckpt.tensors
+        if n.startswith(("embedding_layernorm.", "pre_lm_head_layernorm.", "transformer.input_layernorm."))
+    )
+    if cfg.get("layernorms") or extra_norms:
+        raise UnsupportedVariantError(
+            f"{ckpt.path}: a speculators EAGLE-1 head with `layernorms: true` (HASS extra norms "
+            f"{extra_norms or 'per config.json'}), which selfdraft does not run; use a `layernorms: false` "
+            "checkpoint or serve this one with the engine it was made for"
+        )
+    out = {}
+    for name, tensor in ckpt.tensors.items():
+        if name.startswith("fusion_fc."):
+            name = "fc." + name[len("fusion_fc.") :]
+        elif name.startswith("transformer."):
+            name = "layers.0." + name[len("transformer.") :]
+        out[name] = tensor
+    return out
+
+
+def _eagle1(ckpt: Checkpoint, target: nn.Module | None, layout: str = "eagle1") -> tuple[HeadsConfig, dict]:
+    cfg, tensors = ckpt.config, ckpt.tensors
+    verifier: dict = {}
+    if layout == "speculators-eagle1":
+        tensors = _speculators_eagle1_tensors(ckpt)
+        cfg = cfg.get("transformer_layer_config") or {}
+        verifier = (ckpt.config.get("speculators_config") or {}).get("verifier") or {}
+    extra = [n for n in tensors if n.startswith("layers.") and not n.startswith("layers.0.")]
     if extra:
         raise CorruptCheckpointError(f"{ckpt.path}: EAGLE-1 heads have one layer; found {extra[:3]}")
-    hidden = ckpt.tensors["fc.weight"].shape[0]
-    state = _rename_layer(ckpt.tensors, "layers.0.")
+    hidden = tensors["fc.weight"].shape[0]
+    state = _rename_layer(tensors, "layers.0.")
     embed = state.get("embed_tokens.weight")
-    vocab = embed.shape[0] if embed is not None else ckpt.config.get("vocab_size")
+    vocab = embed.shape[0] if embed is not None else cfg.get("vocab_size")
     _check_target(
         ckpt,
-        "eagle1",
+        layout,
         {
             "hidden size": (hidden, "tensor fc.weight"),
             "vocab size": (vocab, "embed_tokens.weight" if embed is not None else "config.json vocab_size"),
+            "architecture": (verifier.get("architectures"), "speculators_config.verifier.architectures"),
         },
         target,
     )
@@ -239,9 +279,9 @@ def _eagle1(ckpt: Checkpoint, target: nn.Module | None) -> tuple[HeadsConfig, di
         target_vocab_size=vocab,
         feature_layers=[-1],
         eagle_fc_bias="fc.bias" in state,
-        eagle_layer_config=_layer_config(ckpt.config, ckpt.tensors, "layers.0.", hidden),
+        eagle_layer_config=_layer_config(cfg, tensors, "layers.0.", hidden),
         eagle_own_embedding=_embedding(state, target),
-        **_base_fields(ckpt, "eagle1", target),
+        **_base_fields(ckpt, layout, target, verifier=verifier or None),
     )
     return config, state
 
@@ -268,9 +308,19 @@ def _eagle3(ckpt: Checkpoint, target: nn.Module | None, layout: str) -> tuple[He
         raise CorruptCheckpointError(f"{ckpt.path}: only one-layer EAGLE-3 heads run here; found {extra[:3]}")
     cfg = ckpt.config
     src = cfg.get("transformer_layer_config", cfg) if layout == "speculators" else cfg
-    # Absent means False, the speculators library's default (some vLLM versions assume True when absent;
-    # the exporter always writes the field).
-    src = {**src, "norm_before_residual": cfg.get("norm_before_residual", False)}
+    # What vLLM computes from this config.json. A speculators config (`speculators_model_type`) goes
+    # through vLLM's speculators loader, whose `update_eagle3` (vllm/transformers_utils/configs/
+    # speculators/algos.py) sets `norm_before_residual = config_dict.get("norm_before_residual", True)`
+    # and passes `norm_output` (default False) on. Any other config is read as is by vLLM's
+    # llama_eagle3.py: `getattr(config, "norm_before_residual", False)`, `getattr(config, "norm_output",
+    # False)` (SGLang implements neither and has no such keys).
+    default_nbr = bool(cfg.get("speculators_model_type"))
+    src = {
+        **src,
+        "norm_before_residual": bool(cfg.get("norm_before_residual", default_nbr)),
+        "norm_output": bool(cfg.get("norm_output", False)),
+    }
+    _refuse_fc_norms(ckpt)
     fc = ckpt.tensors["fc.weight"]
     hidden, fused = fc.shape
     if ckpt.tensors[prefix + "self_attn.q_proj.weight"].shape[1] != 2 * hidden:
@@ -344,6 +394,23 @@ def _eagle3(ckpt: Checkpoint, target: nn.Module | None, layout: str) -> tuple[He
     return config, state
 
 
+def _refuse_fc_norms(ckpt: Checkpoint) -> None:
+    """speculators / vLLM `norm_before_fc` (one RMSNorm over the concatenated fused layers, tensor
+    input_norm.weight) and `fc_norm` (one RMSNorm per fused layer, fc_norm.{i}.weight) change the
+    fusion; selfdraft's EAGLE-3 head does not implement them, so such heads are refused, never run
+    without their norms."""
+    cfg = ckpt.config
+    eagle_config = cfg.get("eagle_config") or {}
+    for key, prefix in (("norm_before_fc", "input_norm."), ("fc_norm", "fc_norm.")):
+        tensors = sorted(n for n in ckpt.tensors if n.startswith(prefix))
+        if cfg.get(key) or eagle_config.get(key) or tensors:
+            raise UnsupportedVariantError(
+                f"{ckpt.path}: an EAGLE-3 head with `{key}` (RMSNorm on the fused target layers before "
+                f"fc{', tensors ' + ', '.join(tensors[:3]) if tensors else ''}), which selfdraft's EAGLE-3 "
+                "head does not implement; serve it with vLLM, or use a head trained without it"
+            )
+
+
 def _variant(cfg: dict, layout: str) -> str:
     if layout == "speculators":
         return "vllm-speculators"
@@ -353,14 +420,14 @@ def _variant(cfg: dict, layout: str) -> str:
 def convert_checkpoint(ckpt: Checkpoint, target: nn.Module | None = None) -> tuple[HeadsConfig, dict]:
     """(HeadsConfig, state dict in our names) for a checkpoint in any known layout."""
     layout = detect_layout(ckpt)
-    if ckpt.config.get("speculators_model_type") and layout != "speculators":
+    if ckpt.config.get("speculators_model_type") and not layout.startswith("speculators"):
         logger.warning(
             "%s: config.json says speculators, tensors say %s; using the tensors", ckpt.path, layout
         )
     if layout == "medusa":
         return _medusa(ckpt, target)
-    if layout == "eagle1":
-        return _eagle1(ckpt, target)
+    if layout in ("eagle1", "speculators-eagle1"):
+        return _eagle1(ckpt, target, layout)
     return _eagle3(ckpt, target, layout)
 
 

@@ -14,15 +14,27 @@ vLLM (speculators format), `config.json`:
         speculative_tokens, verifier_accept_k 1, accept_tolerance 0.0}], default_proposal_method
         "greedy", verifier {name_or_path, architectures}},
     transformer_layer_config (a one-layer LlamaConfig dict), draft_vocab_size, target_hidden_size,
-    norm_before_residual, eagle_aux_hidden_state_layer_ids (index i = the INPUT of target layer i,
-    which is transformers' output_hidden_states[i])
+    norm_before_residual (always written: vLLM reads it absent as True), norm_output (EAGLE-3.1),
+    eagle_aux_hidden_state_layer_ids (index i = the INPUT of target layer i, which is transformers'
+    output_hidden_states[i])
   tensors: layers.0.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight when the
   head has its own embedding)
 SGLang, `config.json`: a one-layer LlamaConfig with architectures ["LlamaForCausalLMEagle3"],
-    draft_vocab_size, target_hidden_size, tie_word_embeddings false, optional `bias` (fc bias),
+    draft_vocab_size, target_hidden_size, tie_word_embeddings false, `bias` false,
     eagle_config {eagle_aux_hidden_state_layer_ids (id i = the OUTPUT of target layer i, i.e. our index
     minus one), use_aux_hidden_state true}
-  tensors: midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight)
+  tensors: midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight when the
+  head's width differs from the target's)
+Both: the layer config's max_position_embeddings is max(head's, target's), as speculators'
+Eagle3Converter writes it (kept as the head's for RoPE types that depend on it: dynamic, yarn, longrope).
+
+Refused, per the engines' sources (python/sglang/srt/models/llama_eagle3.py and llama.py;
+vllm/model_executor/models/llama_eagle3.py; vllm/transformers_utils/configs/speculators/algos.py):
+    an fc bias, for both: vLLM's fc has none; SGLang builds the fc bias from config `bias`, which its
+        Llama decoder layer also reads as attention bias, creating an o_proj bias no head holds
+    norm_before_residual and norm_output (EAGLE-3.1), for SGLang: its layer implements neither
+    an own embedding of the target's width, for SGLang: its eagle worker calls set_embed with the
+        target's embedding, which LlamaForCausalLM.set_embed skips only when the widths differ
 Tensors are written unchanged (same dtype, same values): export followed by `selfdraft convert`
 reproduces every tensor bit for bit.
 """
@@ -78,9 +90,40 @@ def _refuse_unservable(config: HeadsConfig, engine: str) -> dict[str, Any]:
     if any(layer.get(k) for k in ("qkv_bias", "o_bias", "mlp_bias")):
         problems.append("its attention or MLP has biases; the engines' EAGLE-3 layer has none")
     if engine == "vllm" and config.eagle_fc_bias:
-        problems.append("its fc has a bias; vLLM's EAGLE-3 fc has none")
+        problems.append(
+            "its fc has a bias (eagle_fc_bias true) and vLLM's EAGLE-3 fc has none; train the heads with "
+            "eagle_fc_bias=False"
+        )
+    if engine == "sglang" and config.eagle_fc_bias:
+        # SGLang llama_eagle3.py builds fc with bias=getattr(config, "bias", False), but its decoder layer
+        # (llama.py LlamaDecoderLayer) also reads `bias` as attention_bias and gives o_proj a bias that
+        # no EAGLE-3 checkpoint holds, so it would stay uninitialised: no config serves an fc bias.
+        problems.append(
+            "its fc has a bias (eagle_fc_bias true), and SGLang reads config `bias` as the fc bias and as "
+            "an o_proj bias the heads do not have; train the heads with eagle_fc_bias=False"
+        )
     if engine == "sglang" and layer.get("norm_before_residual"):
-        problems.append("it uses norm_before_residual, which SGLang's EAGLE-3 layer does not implement")
+        problems.append(
+            "it uses norm_before_residual, which SGLang's EAGLE-3 layer does not implement; export with "
+            "--to vllm"
+        )
+    if engine == "sglang" and layer.get("norm_output"):
+        problems.append(
+            "it uses norm_output (EAGLE-3.1), and SGLang's EAGLE-3 model feeds back the pre-norm state; "
+            "export with --to vllm"
+        )
+    if (
+        engine == "sglang"
+        and config.eagle_own_embedding
+        and layer["hidden_size"] == config.target_hidden_size
+    ):
+        # SGLang's eagle worker calls set_embed(target embedding) on EAGLE-3 drafts, and llama.py
+        # LlamaForCausalLM.set_embed keeps the draft's own only when target_hidden_size != hidden_size.
+        problems.append(
+            "it has its own token embedding (eagle_own_embedding) of the target's width, which SGLang "
+            "replaces with the target's embedding; export with --to vllm, whose EAGLE-3 loader reads "
+            "embed_tokens.weight, or serve the heads with selfdraft"
+        )
     if problems:
         raise ExportError(f"{engine} cannot serve these EAGLE-3 heads: " + "; ".join(problems))
     return layer
@@ -112,6 +155,24 @@ def _legacy_rope(rope: dict[str, Any]) -> tuple[float, dict | None]:
     return rope.get("rope_theta", 10000.0), rope.get("rope_scaling")
 
 
+# RoPE types whose frequencies do not depend on max_position_embeddings (llama3 reads its own
+# original_max_position_embeddings from rope_scaling); for others (dynamic, yarn, longrope) raising it
+# would change the head's positions' rotations, so the head's own value is kept.
+_ROPE_FREE_OF_MAX_POSITIONS = (None, "default", "linear", "llama3")
+
+
+def _max_positions(config: HeadsConfig, layer: dict[str, Any], scaling: dict | None) -> int:
+    """max(head's, target's) max_position_embeddings, as speculators' Eagle3Converter writes it
+    (`_create_transformer_config_from_eagle`), so engines size the rotary cache for the target's longest
+    prompts; the head's own when its RoPE type depends on it."""
+    own = layer["max_position_embeddings"]
+    target = (config.target_config or {}).get("max_position_embeddings")
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if target is None or rope_type not in _ROPE_FREE_OF_MAX_POSITIONS:
+        return own
+    return max(own, target)
+
+
 def _llama_config(config: HeadsConfig, layer: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     theta, scaling = _legacy_rope(layer.get("rope", {}))
     return {
@@ -124,7 +185,7 @@ def _llama_config(config: HeadsConfig, layer: dict[str, Any], dtype: torch.dtype
         "num_hidden_layers": 1,
         "rms_norm_eps": layer["rms_norm_eps"],
         "hidden_act": layer.get("hidden_act", "silu"),
-        "max_position_embeddings": layer["max_position_embeddings"],
+        "max_position_embeddings": _max_positions(config, layer, scaling),
         "rope_theta": theta,
         "rope_scaling": scaling,
         "vocab_size": config.target_vocab_size,
@@ -175,7 +236,7 @@ def engine_config(
             **llama,
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
-            "bias": bool(config.eagle_fc_bias),
+            "bias": False,  # fc bias; an fc bias is refused above (SGLang also reads it as o_proj's)
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
                 "use_aux_hidden_state": True,
@@ -205,7 +266,9 @@ def engine_config(
         "transformer_layer_config": llama,
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
+        # Always written: vLLM reads an absent norm_before_residual as True (algos.py update_eagle3).
         "norm_before_residual": bool(layer.get("norm_before_residual")),
+        "norm_output": bool(layer.get("norm_output")),
         "eagle_aux_hidden_state_layer_ids": ids,
         "torch_dtype": llama["torch_dtype"],
     }

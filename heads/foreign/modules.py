@@ -20,6 +20,10 @@ EAGLE-3 (layout "eagle3", SafeAILab/EAGLE `cnets.py`, SGLang `LlamaForCausalLMEa
     a   = attn(cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t)))   q/k/v read 2h
     g_{t+1} = (r + a) + mlp(post_attention_layernorm(r + a))
     logits = lm_head(norm(g_{t+1})) over the draft vocabulary (d2t / t2d maps)
+    EAGLE-3.1 `norm_output` (speculators / vLLM option): the head feeds back norm(g_{t+1}) instead of
+    g_{t+1} (vLLM `llama_eagle3.py` LlamaModel.forward returns the post-norm state as the next step's
+    hidden state when `config.norm_output`), and the logits are lm_head of that same post-norm state
+    (no second norm): `forward` returns norm(g_{t+1}) and `logits` skips `norm`.
     feature_layers index transformers' `output_hidden_states` tuple: entry i is the input of decoder
     layer i, i.e. pre-norm, exactly what the EAGLE-3 reference and the engines capture.
 
@@ -62,6 +66,7 @@ LAYER_KEYS = (
     "mlp_bias",
     "input_layernorm",  # eagle1 only: the checkpoint has an input_layernorm (the reference has none)
     "norm_before_residual",  # eagle3 only: residual taken after hidden_norm (speculators option)
+    "norm_output",  # eagle3 only: EAGLE-3.1, the post-norm state is fed back (speculators option)
 )
 _ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
 
@@ -89,6 +94,7 @@ def layer_config_from_target(target_config: dict[str, Any]) -> dict[str, Any]:
         "mlp_bias": False,
         "input_layernorm": False,
         "norm_before_residual": False,
+        "norm_output": False,
     }
 
 
@@ -249,6 +255,8 @@ class ForeignEagleHead(BorrowingModule):
         else:
             self.fc = nn.Linear(n * h_target, h, bias=config.eagle_fc_bias)  # fuses the target's layers
             self.norm = RMSNorm(h, layer["rms_norm_eps"])
+        # EAGLE-3.1: forward returns norm(g_{t+1}), which is both fed back and read by logits.
+        self.norm_output = layout == "eagle3" and bool(layer.get("norm_output"))
         self.layer = PublishedLayer(layer, layout)
         self.embed_tokens = nn.Embedding(config.target_vocab_size, h) if config.eagle_own_embedding else None
         if config.draft_vocab_size:
@@ -298,11 +306,12 @@ class ForeignEagleHead(BorrowingModule):
         if self.layout == "eagle1":
             x = self.fc(torch.cat([embeds, features], dim=-1))
             return self.layer(x, None, cos, sin, attention_mask, cache)
-        return self.layer(features, embeds, cos, sin, attention_mask, cache)
+        out = self.layer(features, embeds, cos, sin, attention_mask, cache)
+        return self.norm(out) if self.norm_output else out
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., h] -> logits [..., V'] (V' = draft vocab size when one is used)."""
-        if self.norm is not None:
+        if self.norm is not None and not self.norm_output:  # norm_output: `forward` already normed
             features = self.norm(features)
         if self.lm_head is None:
             lm_head = self._need().lm_head  # the target's: it may hold another dtype than the head

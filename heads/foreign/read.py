@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from selfdraft.errors import MissingFileError
+from selfdraft.errors import MissingFileError, UserError
 from selfdraft.heads.folder import CONFIG_NAME, CorruptCheckpointError, read_safetensors
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
@@ -25,6 +25,10 @@ LAYOUTS = {
     "eagle1": "EAGLE-1: model.safetensors or pytorch_model.bin with fc.weight [h, 2h] and layers.0.*",
     "eagle3": "EAGLE-3 / SGLang: midlayer.*, fc.weight [h, 3h], norm.weight, lm_head.weight, d2t, t2d",
     "speculators": "vLLM speculators EAGLE-3: the EAGLE-3 tensors with midlayer.* named layers.0.*",
+    "speculators-eagle1": (
+        "vLLM speculators EAGLE-1 / HASS (speculators_model_type 'eagle', layernorms false): "
+        "fusion_fc.weight [h, 2h] (+ fusion_fc.bias) and transformer.*"
+    ),
     "selfdraft": "selfdraft: config.json with model_type selfdraft_heads + model.safetensors",
 }
 # Tensors some old checkpoints carry that are recomputed from the config.
@@ -34,6 +38,10 @@ MEDUSA_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bi
 
 class UnknownLayoutError(CorruptCheckpointError):
     """A folder whose files and tensor names match no known heads layout."""
+
+
+class UnsupportedVariantError(UserError):
+    """A known layout with an architecture option selfdraft does not run (named with the fix)."""
 
 
 @dataclass
@@ -97,7 +105,8 @@ def _unknown(path: Path, tensors: dict, why: str) -> UnknownLayoutError:
 
 
 def detect_layout(ckpt: Checkpoint) -> str:
-    """'medusa', 'eagle1', 'eagle3' or 'speculators', from the tensor names and shapes only."""
+    """'medusa', 'eagle1', 'eagle3', 'speculators' or 'speculators-eagle1', from the tensor names and
+    shapes only."""
     names = set(ckpt.tensors)
     if names and all(MEDUSA_KEY.match(n) for n in names):
         return "medusa"
@@ -105,6 +114,13 @@ def detect_layout(ckpt: Checkpoint) -> str:
         return "eagle3"
     if "layers.0.hidden_norm.weight" in names:
         return "speculators"
+    fusion = ckpt.tensors.get("fusion_fc.weight")
+    if (
+        "transformer.self_attn.q_proj.weight" in names
+        and fusion is not None
+        and fusion.shape[1] == 2 * fusion.shape[0]
+    ):
+        return "speculators-eagle1"
     fc = ckpt.tensors.get("fc.weight")
     if "layers.0.self_attn.q_proj.weight" in names and fc is not None and fc.shape[1] == 2 * fc.shape[0]:
         return "eagle1"
