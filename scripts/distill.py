@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from selfdraft.corpora import load_source
     from selfdraft.target import load_target
-    from selfdraft.training.data import regenerate_assistant_turns
+    from selfdraft.training.distill import regenerate_assistant_turns
 
     target, tokenizer = load_target(args.target)
     records = [r for r in load_source(args.source) if "messages" in r]

@@ -21,14 +21,11 @@ from selfdraft.corpora import (
     sharegpt_path,
     sharegpt_to_messages,
 )
-from selfdraft.training import data
-from selfdraft.training.data import (
-    HELDOUT_FILE,
-    build_dataset,
-    is_heldout,
-    regenerate_assistant_turns,
-    render_chat,
-)
+from selfdraft.splits import is_heldout
+from selfdraft.training import rendering as data
+from selfdraft.training.dataset import HELDOUT_FILE, build_dataset
+from selfdraft.training.distill import regenerate_assistant_turns
+from selfdraft.training.rendering import render_chat
 
 RECORD_START = '\n  {\n    "id": '  # how the shipped file (json.dumps indent=2) starts each record
 

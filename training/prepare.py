@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 
 from selfdraft.training.config import RunConfig
-from selfdraft.training.data import build_dataset
+from selfdraft.training.dataset import build_dataset
 from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
 
 DATA_DIR = "data"

@@ -1,0 +1,131 @@
+"""Self-distillation: the target's own answers replace the assistant turns of chat records, written
+as resumable JSONL (a killed run continues where it stopped)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from selfdraft.training.rendering import chat_text
+
+
+def _finished_ids(out_path: Path) -> set[str]:
+    """Ids already written; a half-written last line (killed mid-write) is cut off so appends stay valid."""
+    if not out_path.exists():
+        return set()
+    data = out_path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        with out_path.open("r+b") as fh:
+            fh.truncate(keep)
+    return {json.loads(line)["id"] for line in data[:keep].splitlines() if line.strip()}
+
+
+@torch.no_grad()
+def _generate_greedy(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+    """Greedy continuations of token prompts, batched with left padding."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    eos = model.generation_config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)  # the template's end-of-turn must stop generation
+    out = model.generate(
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=pad_id,
+    )
+    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+
+
+def _regenerate_batch(
+    model, tokenizer, batch: list[dict], max_new_tokens: int, max_prompt: int
+) -> list[dict]:
+    """Replace every assistant turn of each conversation, turn by turn, feeding back the new answers."""
+    histories: list[list[dict]] = [[] for _ in batch]
+    alive = [True] * len(batch)
+    for pos in range(max(len(r["messages"]) for r in batch)):
+        asking = []
+        for j, record in enumerate(batch):
+            if not alive[j] or pos >= len(record["messages"]):
+                continue
+            message = record["messages"][pos]
+            if message["role"] == "assistant":
+                asking.append(j)
+            else:
+                histories[j].append({"role": message["role"], "content": message["content"]})
+        prompts = {}
+        for j in asking:
+            if not histories[j]:
+                alive[j] = False  # an answer with no question: nothing to regenerate it from
+                continue
+            text = chat_text(tokenizer, histories[j], add_generation_prompt=True)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if len(ids) > max_prompt:
+                alive[j] = False  # the context is full: the conversation ends before this turn
+            else:
+                prompts[j] = ids
+        if prompts:
+            replies = _generate_greedy(model, tokenizer, list(prompts.values()), max_new_tokens)
+            for j, reply in zip(prompts, replies, strict=True):
+                histories[j].append({"role": "assistant", "content": reply})
+    out = []
+    for record, history in zip(batch, histories, strict=True):
+        last = max((i for i, m in enumerate(history) if m["role"] == "assistant"), default=-1)
+        row = {"id": record["id"], "messages": history[: last + 1] if last >= 0 else history}
+        if last < 0:
+            row["skipped"] = "prompt longer than the context"
+        out.append(row)
+    return out
+
+
+def regenerate_assistant_turns(
+    model,
+    tokenizer,
+    conversations: Sequence[dict],
+    out_path: str | Path,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+) -> Path:
+    """Self-distillation: rewrite each assistant turn with the target's own greedy answer (Medusa-2).
+
+    conversations: records {"id", "messages"}; only system/user turns are kept, every assistant turn is
+    regenerated given the regenerated history. Finished records are appended to a JSONL file (readable
+    by `load_user_dataset`) and flushed per batch; ids already in the file are skipped, so a killed run
+    resumes where it stopped.
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _finished_ids(out_path)
+    todo, seen = [], set(done)
+    for record in conversations:
+        if record["id"] not in seen:
+            seen.add(record["id"])
+            todo.append(record)
+    context = getattr(model.config, "max_position_embeddings", None) or 4096
+    max_prompt = max(1, context - max_new_tokens)
+    with (
+        out_path.open("a", encoding="utf-8") as fh,
+        tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distill", unit="conv") as bar,
+    ):
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            for row in _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt):
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            bar.update(len(batch))
+    return out_path
