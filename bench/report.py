@@ -74,6 +74,99 @@ def summarize(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     return out
 
 
+def summarize_batches(rows: list[dict]) -> list[dict]:
+    """Per (method, temperature, batch size): median total tokens/s over repeats, the speedup over the
+    baseline at the same batch size, and the scaling over the same method at the smallest batch."""
+    out = []
+    def key(r: dict) -> tuple:
+        return r["method"], r["temperature"], r["batch"]
+
+    keys = list(dict.fromkeys(key(r) for r in rows))
+    rate = {k: statistics.median(r["tokens"] / r["seconds"] for r in rows if key(r) == k) for k in keys}
+    smallest = min(r["batch"] for r in rows)
+    for method, t, size in keys:
+        base = rate.get(("baseline", t, size))
+        first = rate.get((method, t, smallest))
+        record = {
+            "method": method,
+            "temperature": t,
+            "batch": size,
+            "tokens_per_s": rate[(method, t, size)],
+            "speedup": rate[(method, t, size)] / base if base else None,
+            "scaling": rate[(method, t, size)] / first if first else None,
+        }
+        if t == 0.0 and method != "baseline":
+            mine = [r for r in rows if key(r) == (method, t, size)]
+            theirs = [r for r in rows if key(r) == ("baseline", t, size)]
+            pairs = [
+                (a, b)
+                for m, base_run in zip(mine, theirs, strict=False)
+                for a, b in zip(m["row_tokens"], base_run["row_tokens"], strict=True)
+            ]
+            record["identical_rows"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+        out.append(record)
+    return out
+
+
+def batch_lines(report: dict) -> list[str]:
+    """The batch section: a table, then one line per method saying where batching stops paying."""
+    summary = report.get("batch_summary")
+    if not summary:
+        return []
+    lines = [
+        "",
+        "Batched generation (total tokens/s of a batch; speedup = over the target's own batched "
+        "`generate` with left padding at the same batch size; scaling = over the same method at the "
+        "smallest batch; same run, methods interleaved per batch size):",
+        "",
+        "| method | T | batch | tok/s | speedup | scaling | identical rows |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        cells = [
+            r["method"],
+            f"{r['temperature']:g}",
+            str(r["batch"]),
+            f"{r['tokens_per_s']:.1f}",
+            _fmt(r["speedup"], ".2f", "x"),
+            _fmt(r["scaling"], ".2f", "x"),
+            r.get("identical_rows", "-"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for method, t in dict.fromkeys((r["method"], r["temperature"]) for r in summary):
+        mine = sorted(
+            (r for r in summary if (r["method"], r["temperature"]) == (method, t)), key=lambda r: r["batch"]
+        )
+        lines.append(f"- {method}, T={t:g}: " + _where_batching_stops(method, mine))
+    return lines
+
+
+def _where_batching_stops(method: str, mine: list[dict]) -> str:
+    """Where more rows stop adding throughput, and (selfdraft) where it stops beating the baseline."""
+    best = max(mine, key=lambda r: r["tokens_per_s"])
+    parts = [f"total tok/s peaks at batch {best['batch']} ({best['tokens_per_s']:.1f})"]
+    after = [r for r in mine if r["batch"] > best["batch"]]
+    if after:
+        ratios = ", ".join(f"{r['batch']}: {r['tokens_per_s'] / best['tokens_per_s']:.2f}x of the peak" for r in after)
+        parts[-1] += f"; larger batches do not pay ({ratios})"
+    elif len(mine) > 1:
+        parts[-1] += ", the largest batch measured: batching still pays there"
+    if method != "baseline":
+        ahead = [r["batch"] for r in mine if r["speedup"] is not None and r["speedup"] > 1.0]
+        behind = [r["batch"] for r in mine if r["speedup"] is not None and r["speedup"] <= 1.0]
+        if not behind:
+            parts.append("faster than the batched baseline at every batch size measured")
+        elif not ahead:
+            parts.append("not faster than the batched baseline at any batch size measured")
+        else:
+            parts.append(
+                f"faster than the batched baseline at batch {', '.join(map(str, ahead))}, "
+                f"not at batch {', '.join(map(str, behind))}"
+            )
+    return "; ".join(parts) + "."
+
+
 def _per_prompt(rows, method, temperature, ids) -> dict[str, dict]:
     """Median-time run of each prompt for one method and temperature."""
     grouped: dict[str, list[dict]] = {}
@@ -110,6 +203,7 @@ def markdown_table(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += trees_lines(report)
     lines += phase_lines(report)
+    lines += batch_lines(report)
     curve = report["verify_cost_seconds"]
     one = curve["1"]
     lines += [

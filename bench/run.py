@@ -4,11 +4,16 @@ Methods: the target's own `generate` (the baseline), transformers prompt-lookup 
 transformers assisted generation with a draft model sharing the tokenizer, and selfdraft with any
 heads and tree. Speedups are ratios of medians against the baseline of the same run; greedy outputs
 are cross-checked for identity with the baseline.
+
+`batch_sizes` (`--batch 1 4 8 16`) adds a throughput section: at each batch size, total tokens/s of
+selfdraft's batched `generate` against the target's own batched `generate` (left padding), the
+methods interleaved per batch size in the same run.
 """
 
 from __future__ import annotations
 
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -16,7 +21,7 @@ from tqdm.auto import tqdm
 
 from selfdraft.bench.divergence import first_divergence, float32_reference
 from selfdraft.bench.prompts import Prompt, load_prompt_set
-from selfdraft.bench.report import PHASES, summarize
+from selfdraft.bench.report import PHASES, summarize, summarize_batches
 from selfdraft.bench.timing import Timed, run_baseline, run_speculative, verify_cost_curve
 from selfdraft.errors import UserError
 from selfdraft.inference.drafting import heads_dtype
@@ -38,6 +43,7 @@ class BenchConfig:
     draft_dtype: str = "auto"  # the heads'; see SelfDraftModel.from_pretrained
     seed: int = 0
     verify_curve: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    batch_sizes: list[int] = field(default_factory=list)  # e.g. [1, 4, 8, 16]: the batch section
     output_dir: str = "runs/bench"
 
 
@@ -166,6 +172,7 @@ def run_bench(config: BenchConfig) -> dict:
                         )
                         bar.update(1)
     mark_divergences(runner.target, rows, {p.id: runner.ids(p) for p in prompts})
+    batch_rows = run_batches(runner, prompts, config) if config.batch_sizes else []
     curve = verify_cost_curve(runner.target, config.verify_curve)
     return {
         "config": asdict(config),
@@ -187,7 +194,88 @@ def run_bench(config: BenchConfig) -> dict:
         "runs": rows,
         "verify_cost_seconds": {str(b): t for b, t in curve.items()},
         "summary": summarize(rows, sets),
+        **({"batch_runs": batch_rows, "batch_summary": summarize_batches(batch_rows)} if batch_rows else {}),
     }
+
+
+BATCHED_KINDS = ("baseline", "selfdraft")  # transformers' prompt lookup / assisted generation take one row
+
+
+@torch.no_grad()
+def run_baseline_batch(
+    model: SelfDraftModel, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float
+) -> tuple[list[list[int]], float]:
+    """The target's own batched `generate`: prompts left-padded, same stop ids and budget.
+    Returns (each row's tokens up to and including its first stop token, seconds)."""
+    stop = model.default_stop_ids()
+    pad = stop[0] if stop else 0
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel() :] = p
+        mask[b, width - p.numel() :] = 1
+    kwargs: dict = {"do_sample": False}
+    if temperature > 0:
+        kwargs = {"do_sample": True, "temperature": temperature, "top_k": None}
+    start = time.perf_counter()
+    out = model.target.generate(
+        ids.to(model.target.device),
+        attention_mask=mask.to(model.target.device),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop or None,
+        pad_token_id=pad,
+        **kwargs,
+    )
+    seconds = time.perf_counter() - start
+    rows = []
+    for new in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))
+        rows.append(new[:end])
+    return rows, seconds
+
+
+def run_batches(runner: Runner, prompts: list[Prompt], config: BenchConfig) -> list[dict]:
+    """Every batch size: baseline and selfdraft methods interleaved (B1: A B C, B4: A B C, ...).
+
+    A batch of b takes the prompts in order, cycling when b exceeds their number."""
+    if any(size < 1 for size in config.batch_sizes):
+        raise UserError(f"batch sizes must be >= 1, got {config.batch_sizes}")
+    ids = [runner.ids(p)[0] for p in prompts]
+    methods = [m for m in runner.methods if m.kind in BATCHED_KINDS]
+
+    def once(m: Method, batch: list[torch.Tensor], temperature: float, seed: int, n: int) -> tuple[list, float]:
+        torch.manual_seed(seed)
+        if m.kind == "baseline":
+            return run_baseline_batch(runner.base, batch, n, temperature)
+        start = time.perf_counter()
+        outs = runner.models[m.label].generate(batch, n, temperature=temperature, seed=seed)
+        return [o.tokens for o in outs], time.perf_counter() - start
+
+    for m in methods:  # warm-up at a small batch, not measured
+        once(m, ids[:2], 0.0, config.seed, min(8, config.max_new_tokens))
+    rows = []
+    total = len(config.temperatures) * config.repeats * len(config.batch_sizes) * len(methods)
+    with tqdm(total=total, desc="bench batches", unit="run") as bar:
+        for temperature in config.temperatures:
+            for r in range(config.repeats):
+                for size in config.batch_sizes:
+                    batch = [ids[i % len(ids)] for i in range(size)]
+                    for m in methods:  # interleaved per batch size
+                        tokens, seconds = once(m, batch, temperature, config.seed + r, config.max_new_tokens)
+                        rows.append(
+                            {
+                                "method": m.label,
+                                "batch": size,
+                                "temperature": temperature,
+                                "repeat": r,
+                                "tokens": sum(len(t) for t in tokens),
+                                "seconds": seconds,
+                                "row_tokens": tokens,
+                            }
+                        )
+                        bar.update(1)
+    return rows
 
 
 def mark_divergences(target, rows: list[dict], prompt_ids: dict[str, torch.Tensor]) -> None:

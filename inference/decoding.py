@@ -125,7 +125,7 @@ def verify_tree(target, cache, tokens: torch.Tensor, spec: TreeSpec) -> TargetPa
     return TargetPass(logits=out.logits[0], hidden_states=tuple(out.hidden_states))
 
 
-def _accept(
+def accept_tree(
     passed: TargetPass, tokens: torch.Tensor, spec: TreeSpec, sampling: SamplingParams, mode: str, generator
 ) -> AcceptResult:
     if sampling.is_greedy:
@@ -137,13 +137,13 @@ def _accept(
     return accept_rejection(p, tokens, spec, variant="deterministic", q=None, generator=generator)
 
 
-def _first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
+def first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
     if sampling.is_greedy:
         return int(logits.argmax())
     return sample(warp_probs(logits, sampling), generator)
 
 
-def _tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeShape | None:
+def tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeShape | None:
     """The tree if its deepest node still has a position inside the context; else a shorter chain,
     never deeper than what the drafter proposes for this shape (Medusa has one head per depth)."""
     if limit is None or prefix_len + spec.max_depth < limit:
@@ -188,7 +188,7 @@ def speculative_generate(
 
     passed = prefill(target, input_ids, cache)
     stats.target_forwards += 1
-    root = _first_token(passed.logits[-1], sampling, generator)
+    root = first_token(passed.logits[-1], sampling, generator)
     stats.prefill_time = time.perf_counter() - start
     out: list[int] = []
     context = input_ids[0].tolist()  # prompt + output: what a prompt-lookup branch searches
@@ -216,7 +216,7 @@ def speculative_generate(
 
     while not done:
         prefix = kv.cache_length(cache)
-        shape = _tree_that_fits(spec, prefix, limit)
+        shape = tree_that_fits(spec, prefix, limit)
         if shape is None:
             stats.finish_reason = "context"
             break
@@ -225,7 +225,7 @@ def speculative_generate(
         t1 = time.perf_counter()
         passed = verify_tree(target, cache, tokens.to(input_ids.device), tree)
         t2 = time.perf_counter()
-        result = _accept(passed, tokens, tree, sampling, acceptance, generator)
+        result = accept_tree(passed, tokens, tree, sampling, acceptance, generator)
         t3 = time.perf_counter()
         path = torch.tensor([0, *result.accepted], dtype=torch.long, device=input_ids.device)
         kv.keep_positions(cache, prefix, prefix + path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -11,6 +11,7 @@ import torch
 from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
 from selfdraft.inference.acceptance import SamplingParams
+from selfdraft.inference.batch import batched_speculative_generate, is_batch, row_seeds
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
 from selfdraft.precision import AUTO, parse_dtype, resolve_draft_dtype
 from selfdraft.target import load_target
@@ -81,7 +82,8 @@ def _as_prompt_ids(input_ids, device, vocab_size: int) -> torch.Tensor:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise UserError(
-            f"input_ids of shape {tuple(ids.shape)}: selfdraft generates one sequence at a time"
+            f"input_ids of shape {tuple(ids.shape)}: pass one sequence ([T] or [1, T]), "
+            "or a list of 1-D prompts for a batch"
         )
     if ids.shape[1] == 0:
         raise UserError("input_ids is empty; pass at least one prompt token")
@@ -148,9 +150,8 @@ class SelfDraftModel:
         heads: a checkpoint folder; None for fresh, untrained heads of `head_kind` (still lossless,
         just slower); a HeadsConfig to build fresh heads of that shape; omitted -> the checkpoint
         shipped for this target, or fresh heads if none is shipped.
-        dtype: the target's; greedy output is token-identical to the target's own `generate` in float32.
-        In bfloat16 the target's own argmax depends on how many tokens one forward holds (a
-        near-tie can flip between a 1-token and a 13-token pass), so outputs can part at such ties.
+        dtype: the target's; greedy output is token-identical to the target's own `generate` in float32;
+        in bfloat16 it can part at near-ties of the target's own logits (`selfdraft.bench.divergence`).
         draft_dtype: the heads' dtype; None = the target's; "auto" (default) = bfloat16 for a float32
         target on a CPU with native bf16 (AVX512-BF16, AMX), else the target's. Heads only change
         speed, so bfloat16 heads on a float32 target keep the output exact and draft about twice as fast.
@@ -214,22 +215,50 @@ class SelfDraftModel:
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        seed: int | None = None,
+        seed: int | Sequence[int | None] | None = None,
         stop_token_ids: Iterable[int] | None = None,
         tree: TreeLike | None = None,
         acceptance: str = "rejection",
         streamer=None,
-    ) -> GenerationOutput:
+    ) -> GenerationOutput | list[GenerationOutput]:
         """Decode after `input_ids` ([T] or [1, T]); temperature 0 is greedy and token-identical to the
-        target's own greedy decoding. `acceptance="typical"` is Medusa's lossy typical acceptance."""
+        target's own greedy decoding. `acceptance="typical"` is Medusa's lossy typical acceptance.
+
+        A batch: `input_ids` a list of prompts (each an id list, a [T] or a [1, T] tensor; any lengths) returns a
+        list of GenerationOutput in the same order; every step verifies all rows' trees in one shared
+        target pass (see `inference/batch.py`), and each row's output is what it would be alone.
+        seed: one int s (row i uses s + i, so row i equals `generate(prompt_i, seed=s + i)`), one seed
+        per row, or None. No streamer with a batch.
+        """
+        sampling = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=None if is_batch(input_ids) else seed
+        )
+        spec = self._fitting_tree(tree) if tree is not None else self.tree
+        stops = self.default_stop_ids() if stop_token_ids is None else stop_token_ids
+        vocab = self.target.get_input_embeddings().num_embeddings
+        if is_batch(input_ids):
+            if streamer is not None:
+                raise UserError("streamer= works with one prompt only; generate a batch without it")
+            prompts = [_as_prompt_ids(p, self.target.device, vocab)[0] for p in input_ids]
+            return batched_speculative_generate(
+                self.target,
+                self.heads,
+                prompts,
+                spec=spec,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                seeds=row_seeds(seed, len(prompts)),
+                stop_token_ids=stops,
+                acceptance=acceptance,
+            )
         return speculative_generate(
             self.target,
             self.heads,
-            _as_prompt_ids(input_ids, self.target.device, self.target.get_input_embeddings().num_embeddings),
-            spec=self._fitting_tree(tree) if tree is not None else self.tree,
+            _as_prompt_ids(input_ids, self.target.device, vocab),
+            spec=spec,
             max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            stop_token_ids=self.default_stop_ids() if stop_token_ids is None else stop_token_ids,
+            sampling=sampling,
+            stop_token_ids=stops,
             acceptance=acceptance,
             streamer=streamer,
         )

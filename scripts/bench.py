@@ -25,6 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output-dir", default=None)
+    parser.add_argument(
+        "--batch",
+        nargs="+",
+        type=int,
+        default=None,
+        dest="batch_sizes",
+        help="batch sizes (e.g. 1 4 8 16): total tokens/s of batched selfdraft vs the target's batched generate",
+    )
     add_precision_arguments(parser, with_defaults=False)
 
 
@@ -44,6 +52,7 @@ def load_bench_config(args: argparse.Namespace):
         "dtype",
         "draft_dtype",
         "output_dir",
+        "batch_sizes",
     ):
         value = getattr(args, key)
         if value is not None:

@@ -1,9 +1,13 @@
-"""`selfdraft generate`: stream a speculative answer and report tau and tokens/s."""
+"""`selfdraft generate`: stream a speculative answer and report tau and tokens/s; or, with
+--prompts-file, generate a JSONL file of prompts in batches (one shared target pass per step)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from pathlib import Path
 
 from transformers import TextStreamer
 
@@ -20,7 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree", default=None, help="tree name, chain-N, dynamic:..., or YAML file (default: the heads' tree.yaml)"
     )
-    parser.add_argument("--prompt", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument(
+        "--prompts-file",
+        default=None,
+        help='JSONL, one {"prompt": ..., "id"?: ..., "chat"?: bool} per line, generated in batches of '
+        "--batch-size (one shared target pass per step); needs --out. With --seed S, line i uses seed S + i",
+    )
+    parser.add_argument("--out", default=None, help="JSONL output of --prompts-file: id, text, tokens, stats")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per batched generate call")
     parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -30,10 +43,94 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_precision_arguments(parser)
 
 
+def read_prompts_file(path: str) -> list[dict]:
+    """Rows {"prompt", "id" (default: the line number), "chat" (default true)} of a JSONL file."""
+    from selfdraft.errors import MissingFileError, UserError
+
+    if not Path(path).is_file():
+        raise MissingFileError(f"--prompts-file {path} does not exist; pass a JSONL file of prompts")
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{n}: not JSON ({err.msg}); write one JSON object per line") from err
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f'{path}:{n}: each row needs a "prompt" string (and optional "id", "chat")')
+        rows.append({"id": row.get("id", n), "prompt": row["prompt"], "chat": bool(row.get("chat", True))})
+    if not rows:
+        raise UserError(f"{path} holds no prompts; write one JSON object per line")
+    return rows
+
+
+def check_file_arguments(args: argparse.Namespace) -> list[dict]:
+    """The rows of --prompts-file, checked with --out and --batch-size before the target loads."""
+    from selfdraft.errors import UserError
+
+    if not args.out:
+        raise UserError("--prompts-file needs --out FILE.jsonl for the answers")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    return read_prompts_file(args.prompts_file)
+
+
+def run_file(args: argparse.Namespace, model, rows: list[dict]) -> int:
+    """Generate every prompt of --prompts-file in batches of --batch-size; write --out as JSONL."""
+    from selfdraft.inference.model import prompt_text
+
+    total, start = 0, time.perf_counter()
+    with Path(args.out).open("w") as fh:
+        for first in range(0, len(rows), args.batch_size):
+            batch = rows[first : first + args.batch_size]
+            ids = [
+                model.chat_ids(r["prompt"])[0]
+                if r["chat"]
+                else model.tokenizer(prompt_text(r["prompt"]), return_tensors="pt").input_ids[0]
+                for r in batch
+            ]
+            seed = None if args.seed is None else args.seed + first  # row i of the file: seed + i
+            outs = model.generate(
+                ids,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=seed,
+            )
+            for r, out in zip(batch, outs, strict=True):
+                s = out.stats
+                record = {
+                    "id": r["id"],
+                    "text": model.tokenizer.decode(out.tokens, skip_special_tokens=True),
+                    "tokens": out.tokens,
+                    "stats": {
+                        "tau": s.mean_accepted,
+                        "tree_passes": s.tree_passes,
+                        "finish_reason": s.finish_reason,
+                    },
+                }
+                fh.write(json.dumps(record) + "\n")
+                total += len(out.tokens)
+    seconds = time.perf_counter() - start
+    print(
+        f"[{len(rows)} prompts, {total} tokens in {seconds:.1f} s ({total / seconds:.1f} tokens/s, "
+        f"batches of {args.batch_size}) -> {args.out}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
     from selfdraft.inference.model import prompt_text
 
+    if args.out and not args.prompts_file:
+        from selfdraft.errors import UserError
+
+        raise UserError("--out writes the answers of --prompts-file; pass --prompts-file, or drop --out")
+    rows = check_file_arguments(args) if args.prompts_file else None
     heads = None if args.heads.lower() == "none" else args.heads
     model = SelfDraftModel.from_pretrained(
         args.target,
@@ -43,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
     )
+    if rows is not None:
+        return run_file(args, model, rows)
     ids = (
         model.tokenizer(prompt_text(args.prompt), return_tensors="pt").input_ids
         if args.raw

@@ -72,6 +72,28 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
         layer.values = layer.values.index_select(-2, idx)
 
 
+def gather_rows(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor) -> None:
+    """Keep batch rows `rows` and, in row i of the result, the positions `index[i]`, in that order.
+
+    rows: [B'] long (batch rows kept, in order); index: [B', L'] long absolute cache positions per kept
+    row (a batch's per-row compaction: each row's prefix and accepted path, re-padded to one length).
+    """
+    for layer in _layers(cache):
+        if getattr(layer, "is_sliding", False):
+            raise UserError(
+                "tree KV compaction of sliding-window cache layers is not supported; "
+                "load the target without a sliding window"
+            )
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            if rows.numel() != t.shape[0] or bool((rows.cpu() != torch.arange(t.shape[0])).any()):
+                t = t.index_select(0, rows.to(t.device))
+            idx = index.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+            setattr(layer, name, t.gather(2, idx))
+
+
 def check_model_takes_cache(model: PreTrainedModel) -> None:
     params = inspect.signature(type(model).forward).parameters
     if "cache" not in params and "past_key_values" not in params:
