@@ -104,23 +104,20 @@ def test_eagle_loss_by_hand():
     assert only_second.loss.item() == pytest.approx(2.0 * per_position[1] + 0.5 * ce[1])
 
 
-def test_forward_kl_renormalizes_on_the_draft_vocab():
-    target_logits = torch.tensor([[[1.0, 3.0, 0.0, 2.0], [0.5, -1.0, 2.0, 1.0]]])  # [1, 2, V=4]
-    t2d = torch.tensor([True, False, True, True])  # draft vocab = target ids 0, 2, 3
-    draft_logits = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0]]])
-    # position 0: target argmax (id 1) is outside the draft vocab -> dropped; position 1 by hand:
+def test_forward_kl_on_the_heads_vocab():
+    target_logits = torch.tensor([[[0.5, 2.0, 1.0], [1.0, 1.0, 1.0]]])  # [1, 2, V'=3]
+    draft_logits = torch.tensor([[[1.0, 0.0, -1.0], [0.0, 0.0, 0.0]]])
     z = [math.exp(0.5), math.exp(2.0), math.exp(1.0)]
     p = [v / sum(z) for v in z]
     zq = [math.exp(1.0), 1.0, math.exp(-1.0)]
     q = [v / sum(zq) for v in zq]
     expected = sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q, strict=True))
-    mask = torch.ones(1, 2)
-    assert forward_kl(draft_logits, target_logits, mask, t2d).item() == pytest.approx(expected, rel=1e-5)
-    # already-restricted target logits: nothing dropped, KL 0 when the draft matches up to a constant
-    restricted = target_logits[..., t2d]
-    assert forward_kl(restricted + 3.0, restricted, mask).item() == pytest.approx(0.0, abs=1e-6)
+    only_first = torch.tensor([[1, 0]])
+    assert forward_kl(draft_logits, target_logits, only_first).item() == pytest.approx(expected, rel=1e-5)
+    # KL 0 when the draft matches up to a constant; the second position (uniform both) adds 0
+    assert forward_kl(target_logits + 3.0, target_logits, torch.ones(1, 2)).item() == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="vocab"):
-        forward_kl(draft_logits, target_logits, mask)
+        forward_kl(draft_logits[..., :2], target_logits, only_first)
 
 
 def test_ttt_weights():

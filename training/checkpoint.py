@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from selfdraft.errors import UserError
 from selfdraft.heads.folder import save_heads
 
 RUN_FILE = "run.json"
 
 
-class ResumeError(RuntimeError):
-    pass
+class ResumeError(UserError, RuntimeError):
+    """A run folder that cannot be resumed as asked (another config, world size or precision)."""
 
 
 def run_meta(fingerprint: str, world_size: int, precision: str | None = None) -> dict:

@@ -1,8 +1,7 @@
 """Target features for head training: computed online, or cached once on disk and memory-mapped.
 
 Both paths produce the same per-example dict, so a training loop cannot tell them apart:
-  {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "features": {layer: FloatTensor[T, h]},
-   + when top-k is stored: "target_topk_ids": LongTensor[T, k], "target_topk_logprobs": FloatTensor[T, k]}
+  {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "features": {layer: FloatTensor[T, h]}}
 `layer` indexes `output_hidden_states`: 0 is the embedding output, L (num_hidden_layers) the post-norm
 last hidden state. The cache stores features in fp16, so the two paths agree up to fp16 rounding; a bf16
 target's features convert to fp16 exactly within fp16's normal range (|x| in [6.1e-5, 65504]; larger
@@ -30,10 +29,10 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
-from selfdraft.errors import MissingFileError
+from selfdraft.errors import MissingFileError, UserError
 
 INDEX_FILE = "index.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: no stored target top-k
 
 
 def normalize_layers(model, layers: Sequence[int]) -> list[int]:
@@ -51,14 +50,11 @@ def compute_features(
     input_ids: torch.Tensor,
     layers: Sequence[int],
     attention_mask: torch.Tensor | None = None,
-    store_target_topk: int | None = None,
 ) -> dict:
-    """One frozen-target forward. input_ids: [B, T] -> {"features": {layer: [B, T, h]}, ...}.
+    """One frozen-target forward. input_ids: [B, T] -> {"features": {layer: [B, T, h]}}.
 
     Features keep the target's dtype and stay on its device (no copy: training feeds them to the heads
-    there). With store_target_topk=k also "target_topk_ids" [B, T, k] and "target_topk_logprobs"
-    [B, T, k] float32 (log-softmax of the target's logits), enough to rebuild a truncated target
-    distribution.
+    there).
     """
     layers = normalize_layers(model, layers)
     device = next(model.parameters()).device
@@ -68,30 +64,7 @@ def compute_features(
         output_hidden_states=True,
         use_cache=False,
     )
-    result: dict = {"features": {layer: out.hidden_states[layer] for layer in layers}}
-    if store_target_topk:
-        top = torch.log_softmax(out.logits.float(), dim=-1).topk(store_target_topk, dim=-1)
-        result["target_topk_ids"] = top.indices
-        result["target_topk_logprobs"] = top.values
-    return result
-
-
-def example_features(
-    model, example: dict, layers: Sequence[int], store_target_topk: int | None = None
-) -> dict:
-    """The online path: one dataset row -> the per-example dict `HiddenStateCache` returns (on the CPU,
-    features in the target's dtype)."""
-    input_ids = torch.as_tensor(example["input_ids"], dtype=torch.long)
-    computed = compute_features(model, input_ids[None], layers, store_target_topk=store_target_topk)
-    result = {
-        "input_ids": input_ids,
-        "loss_mask": torch.as_tensor(example["loss_mask"], dtype=torch.long),
-        "features": {layer: f[0].cpu() for layer, f in computed["features"].items()},
-    }
-    for key in ("target_topk_ids", "target_topk_logprobs"):
-        if key in computed:
-            result[key] = computed[key][0].cpu()
-    return result
+    return {"features": {layer: out.hidden_states[layer] for layer in layers}}
 
 
 def _plan_shards(lengths: list[int], shard_tokens: int) -> list[dict]:
@@ -128,7 +101,7 @@ def _lengths_and_fingerprint(dataset) -> tuple[list[int], str]:
     return lengths, digest.hexdigest()
 
 
-def _write_shard(model, rows: list[dict], layers: list[int], topk: int | None, dest: Path, batch_size: int):
+def _write_shard(model, rows: list[dict], layers: list[int], dest: Path, batch_size: int):
     """Compute one shard in memory and write it to dest via a temporary folder (atomic rename)."""
     per_row: list[dict[str, np.ndarray]] = [{} for _ in rows]
     # batches of similar lengths waste little compute on padding; results go back to dataset order
@@ -141,7 +114,7 @@ def _write_shard(model, rows: list[dict], layers: list[int], topk: int | None, d
         for j, i in enumerate(batch):  # right padding: causal attention leaves real positions untouched
             ids[j, : len(rows[i]["input_ids"])] = torch.as_tensor(rows[i]["input_ids"])
             attention[j, : len(rows[i]["input_ids"])] = 1
-        computed = compute_features(model, ids, layers, attention, store_target_topk=topk)
+        computed = compute_features(model, ids, layers, attention)
         for j, i in enumerate(batch):
             n, out = len(rows[i]["input_ids"]), per_row[i]
             for layer, feats in computed["features"].items():
@@ -149,11 +122,6 @@ def _write_shard(model, rows: list[dict], layers: list[int], topk: int | None, d
                 if not torch.isfinite(half).all():
                     raise OverflowError(f"layer {layer} features overflow fp16; cache another layer")
                 out[f"features_{layer}"] = half.numpy()
-            if topk:
-                out["topk_ids"] = computed["target_topk_ids"][j, :n].cpu().numpy().astype(np.int32)
-                lp = computed["target_topk_logprobs"][j, :n].cpu()
-                lp = lp.clamp(min=-60000.0)  # -inf would not round-trip
-                out["topk_logprobs"] = lp.to(torch.float16).numpy()
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -172,7 +140,6 @@ def cache_hidden_states(
     out_dir: str | Path,
     layers: Sequence[int],
     shard_tokens: int = 1 << 17,
-    store_target_topk: int | None = None,
     batch_size: int = 8,
 ) -> Path:
     """Run the frozen target over `dataset` (rows with input_ids, loss_mask) and cache its features.
@@ -180,7 +147,7 @@ def cache_hidden_states(
     A shard is built in memory: shard_tokens x len(layers) x hidden_size fp16 values (the default 131k
     tokens is ~0.45 GB for SmolLM2 with 3 layers, ~3.2 GB for an 8B target). Resumable: the shard plan
     is fixed in index.json before any work, finished shards are skipped, and a rerun over a different
-    dataset, layer set or top-k refuses to mix caches.
+    dataset or layer set refuses to mix caches.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,7 +157,6 @@ def cache_hidden_states(
         "version": CACHE_VERSION,
         "layers": layers,
         "hidden_size": model.config.hidden_size,
-        "store_target_topk": store_target_topk,
         "num_examples": len(lengths),
         "dataset_fingerprint": fingerprint,
         "target": getattr(model.config, "_name_or_path", ""),
@@ -200,11 +166,11 @@ def cache_hidden_states(
     if index_path.exists():
         old = json.loads(index_path.read_text())
         if old != index:
-            raise ValueError(f"{out_dir} holds a cache of other data/layers/top-k; use a new out_dir")
+            raise UserError(f"{out_dir} holds a cache of other data or layers; use a new feature_cache folder")
     else:
         index_path.write_text(json.dumps(index, indent=1))
     with _writer_lock(out_dir):
-        return _fill_shards(model, dataset, out_dir, index, lengths, layers, store_target_topk, batch_size)
+        return _fill_shards(model, dataset, out_dir, index, lengths, layers, batch_size)
 
 
 @contextmanager
@@ -230,7 +196,7 @@ def _writer_lock(out_dir: Path):
         lock.unlink(missing_ok=True)
 
 
-def _fill_shards(model, dataset, out_dir: Path, index: dict, lengths, layers, store_target_topk, batch_size):
+def _fill_shards(model, dataset, out_dir: Path, index: dict, lengths, layers, batch_size):
     for stale in out_dir.glob("*.tmp"):  # half-written shards of a killed writer
         shutil.rmtree(stale, ignore_errors=True)
     todo = [s for s in index["shards"] if not (out_dir / s["name"]).is_dir()]
@@ -238,13 +204,13 @@ def _fill_shards(model, dataset, out_dir: Path, index: dict, lengths, layers, st
         bar.update(sum(lengths) - sum(s["tokens"] for s in todo))
         for shard in todo:
             rows = [dataset[i] for i in range(shard["start"], shard["start"] + shard["count"])]
-            _write_shard(model, rows, layers, store_target_topk, out_dir / shard["name"], batch_size)
+            _write_shard(model, rows, layers, out_dir / shard["name"], batch_size)
             bar.update(shard["tokens"])
     return out_dir
 
 
 class HiddenStateCache(torch.utils.data.Dataset):
-    """Map-style reader of a cache; each item is the dict `example_features` returns.
+    """Map-style reader of a cache; each item is the per-example dict of the module docstring.
 
     allow_partial: read only the shards finished so far (the dataset was shuffled before caching, so
     any set of shards is a random subset). Otherwise a missing shard is an error.
@@ -301,7 +267,4 @@ class HiddenStateCache(torch.utils.data.Dataset):
             "loss_mask": take("loss_mask", torch.long),
             "features": {layer: take(f"features_{layer}", self.dtype) for layer in self.layers},
         }
-        if self.index["store_target_topk"]:
-            item["target_topk_ids"] = take("topk_ids", torch.long)
-            item["target_topk_logprobs"] = take("topk_logprobs", torch.float32)
         return item

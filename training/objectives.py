@@ -103,25 +103,14 @@ def eagle_loss(
     return EagleLoss(feature_weight * feature_loss + ce_weight * ce, feature_loss, ce)
 
 
-def forward_kl(
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
-    mask: torch.Tensor,
-    t2d: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """EAGLE-3 loss: KL(p || q) with p the target distribution renormalized on the draft vocabulary.
+def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) with p the target distribution on the heads' vocabulary (renormalized there).
 
-    draft_logits: [B, T, Vd]; target_logits: [B, T, V] with t2d: bool [V] selecting the Vd draft tokens
-    (in target-id order, the draft-id order of `build_draft_vocab`), or already [B, T, Vd] with t2d None;
-    mask: [B, T]. p = softmax(target_logits[..., t2d]) (renormalized on the draft vocab), q =
-    softmax(draft_logits); KL = sum_v p (log p - log q), averaged over masked positions. When t2d is
-    given, positions whose target argmax lies outside the draft vocab are also dropped (EAGLE-3 does
-    this: the draft can never propose that token, so the renormalized p would teach the wrong thing).
+    draft_logits, target_logits: [B, T, V'] (the target's logits already restricted to the heads'
+    vocabulary, see `steps.target_logits`); mask: [B, T]. p = softmax(target_logits), q =
+    softmax(draft_logits); KL = sum_v p (log p - log q), averaged over masked positions.
     """
     mask = mask.bool()
-    if t2d is not None:
-        mask = mask & t2d[target_logits.argmax(-1)]
-        target_logits = target_logits[..., t2d]
     if target_logits.shape[-1] != draft_logits.shape[-1]:
         raise ValueError(f"target vocab {target_logits.shape[-1]} != draft vocab {draft_logits.shape[-1]}")
     log_p = torch.log_softmax(target_logits.float(), dim=-1)
