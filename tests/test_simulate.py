@@ -51,3 +51,14 @@ def test_depths_of_different_lengths():
     d1 = _depth([0, 1], 0)  # a later Medusa head has fewer positions
     _, tau = simulated_tau([d0, d1], TreeSpec.chain(2))
     assert abs(tau - (1 + (2 + 1 + 1) / 3)) < 1e-6
+
+
+def test_ties_and_nan_are_misses():
+    """Heads destroyed by a huge learning rate give equal or NaN logits: never counted as top-1."""
+    target = torch.tensor([[2, 0]])
+    flat = torch.zeros(1, 2, 5)  # every logit equal
+    assert label_ranks(flat, target).tolist() == [[4, 4]]
+    nan = torch.full((1, 2, 5), float("nan"))
+    assert label_ranks(nan, target).tolist() == [[MISS, MISS]]
+    sharp = torch.tensor([[[0.0, 0.0, 5.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0, 0.0]]])
+    assert label_ranks(sharp, target).tolist() == [[0, 1]]  # a tie with another token costs a rank

@@ -25,7 +25,8 @@ class DepthRanks(NamedTuple):  # a tuple: DeepSpeed's ZeRO-3 hooks walk a forwar
 
 
 def label_ranks(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab=None) -> torch.Tensor:
-    """draft_logits: [B, T, V']; target_ids: [B, T] target-vocabulary ids -> ranks [B, T] (0 = top-1).
+    """draft_logits: [B, T, V']; target_ids: [B, T] target-vocabulary ids -> ranks [B, T] (0 = top-1,
+    strictly above every other logit).
 
     vocab: the heads' DraftVocab (None when the draft speaks the target vocabulary)."""
     if vocab is None:
@@ -38,8 +39,11 @@ def label_ranks(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab=None
         outside = ids < 0
         ids = ids.clamp(min=0)
     chosen = draft_logits.gather(-1, ids[..., None])
-    ranks = (draft_logits > chosen).sum(-1)
-    return ranks.masked_fill(outside, MISS)
+    # Ties count against the label (top-k may pick the other token first), and NaN logits are a miss:
+    # diverged heads must never score as accurate.
+    ranks = (draft_logits > chosen).sum(-1) + (draft_logits == chosen).sum(-1) - 1
+    broken = torch.isnan(draft_logits).any(-1)
+    return ranks.clamp(min=0).masked_fill(outside | broken, MISS)
 
 
 def _child_table(spec: TreeSpec) -> torch.Tensor:
