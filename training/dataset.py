@@ -27,7 +27,7 @@ def _load_sources(sources: Sequence[str | Iterable[dict]]) -> list[dict]:
     return records
 
 
-def _to_dataset(rows: list[dict]) -> datasets.Dataset:
+def rows_to_dataset(rows: list[dict]) -> datasets.Dataset:
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
@@ -91,5 +91,5 @@ def build_dataset(
     tmp = run_dir / (HELDOUT_FILE + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
     tmp.replace(run_dir / HELDOUT_FILE)  # atomic: a reader never sees a half-written id list
-    train = _to_dataset(train_rows).shuffle(seed=seed).flatten_indices()
-    return train, _to_dataset(heldout_rows)
+    train = rows_to_dataset(train_rows).shuffle(seed=seed).flatten_indices()
+    return train, rows_to_dataset(heldout_rows)

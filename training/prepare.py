@@ -6,15 +6,21 @@ under data.feature_cache, and both are reused by later runs and by every rank of
 
 from __future__ import annotations
 
+import fcntl
+import json
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
 
+from selfdraft.errors import UserError
 from selfdraft.training.config import RunConfig
-from selfdraft.training.dataset import build_dataset
+from selfdraft.training.dataset import build_dataset, rows_to_dataset
 from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
 
 DATA_DIR = "data"
+SPLIT_FINGERPRINT = "splits.json"
 
 
 def feature_layers(config: RunConfig, target) -> list[int]:
@@ -22,27 +28,77 @@ def feature_layers(config: RunConfig, target) -> list[int]:
     return normalize_layers(target, [*config.heads.feature_layers, -1])
 
 
+def _split_fingerprint(config: RunConfig, tokenizer) -> dict:
+    """What decides the splits' contents: the data section and the tokenizer's vocabulary size."""
+    data = config.data
+    return {
+        "sources": data.sources,
+        "max_length": data.max_length,
+        "limit_records": data.limit_records,
+        "heldout_fraction": data.heldout_fraction,
+        "seed": data.seed,
+        "vocab_size": len(tokenizer),
+    }
+
+
+def _load_split(folder: Path) -> datasets.Dataset:
+    if not any(folder.glob("*.arrow")):  # `datasets` cannot read back a saved empty split
+        return rows_to_dataset([])
+    return datasets.load_from_disk(str(folder))
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    """One writer at a time per run folder (a second `selfdraft prepare` waits, then reuses)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def prepare_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The run's (train, heldout) splits, built once under output_dir/data and reused.
+
+    Both splits and their fingerprint are written into one temporary folder that is renamed into place
+    (a killed build leaves only debris that the next build replaces); concurrent builders are
+    serialised by a lock; a folder built from another data config is refused, not silently reused.
+    """
     root = Path(config.output_dir) / DATA_DIR
-    if (root / "train").is_dir() and (root / "heldout").is_dir():
-        return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
-    train, heldout = build_dataset(
-        config.data.sources
-        if config.data.limit_records is None
-        else [
-            f"{s}:{config.data.limit_records}" if s in ("sharegpt", "python-stdlib") else s
-            for s in config.data.sources
-        ],
-        tokenizer,
-        max_length=config.data.max_length,
-        seed=config.data.seed,
-        heldout_fraction=config.data.heldout_fraction,
-        run_dir=Path(config.output_dir),
-    )
-    train.save_to_disk(str(root / "train.tmp"))
-    heldout.save_to_disk(str(root / "heldout.tmp"))
-    (root / "train.tmp").rename(root / "train")
-    (root / "heldout.tmp").rename(root / "heldout")
+    fingerprint = _split_fingerprint(config, tokenizer)
+    with _exclusive(Path(config.output_dir) / (DATA_DIR + ".lock")):
+        if (root / SPLIT_FINGERPRINT).is_file():
+            found = json.loads((root / SPLIT_FINGERPRINT).read_text())
+            if found != fingerprint:
+                changed = sorted(k for k in fingerprint if found.get(k) != fingerprint[k])
+                raise UserError(
+                    f"{root} was built from another data config ({', '.join(changed)} changed); "
+                    "use a new output_dir, or delete that folder to rebuild the splits"
+                )
+            return _load_split(root / "train"), _load_split(root / "heldout")
+        if root.exists():  # debris of a build killed mid-way, or of a version without a fingerprint
+            shutil.rmtree(root)
+        train, heldout = build_dataset(
+            config.data.sources
+            if config.data.limit_records is None
+            else [
+                f"{s}:{config.data.limit_records}" if s in ("sharegpt", "python-stdlib") else s
+                for s in config.data.sources
+            ],
+            tokenizer,
+            max_length=config.data.max_length,
+            seed=config.data.seed,
+            heldout_fraction=config.data.heldout_fraction,
+            run_dir=Path(config.output_dir),
+        )
+        tmp = root.with_name(f"{DATA_DIR}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        train.save_to_disk(str(tmp / "train"))
+        heldout.save_to_disk(str(tmp / "heldout"))
+        (tmp / SPLIT_FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
+        tmp.rename(root)  # atomic: data/ exists only complete
     return train, heldout
 
 
