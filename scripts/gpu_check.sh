@@ -77,5 +77,23 @@ for stage in (1, 3):
     target, _ = load_target(str(work / "target"))
     heads = load_heads(work / f"run{stage}" / "heads", target)
     assert all(torch.isfinite(p).all() for p in heads.parameters())
+
+# generate with the trained heads where the training ran (CUDA when present), greedy identity there
+from selfdraft.inference import SelfDraftModel
+
+device = "cuda" if cuda else "cpu"
+for dtype in (torch.float32, torch.bfloat16):
+    target, _ = load_target(str(work / "target"), dtype=dtype, device=device)
+    model = SelfDraftModel.with_heads(target, None, str(work / "run1" / "heads"), tree="dynamic")
+    prompt = torch.tensor([[3, 10, 11, 12, 13, 14]], device=device)
+    out = model.generate(prompt, 24, stop_token_ids=[])
+    ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    same = out.tokens == ref
+    print(f"generate on {device} {dtype}: tau {out.stats.mean_accepted:.2f}, identical to target.generate: {same}")
+    if dtype == torch.float32:
+        assert same, (out.tokens, ref)
+    sampled = model.generate(prompt, 16, temperature=1.0, seed=0, stop_token_ids=[])
+    assert len(sampled.tokens) == 16
 print("gpu_check: OK")
 EOF
