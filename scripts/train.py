@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 
 from selfdraft.errors import UserError
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,4 +70,28 @@ def run(args: argparse.Namespace) -> int:
         )
     cmd = torchrun_command(args)
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env=os.environ.copy())
+    return launch(cmd)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: Linux sends it SIGTERM when the launcher dies, even by kill -9, and
+    torchrun takes its workers down on SIGTERM. Elsewhere the signal handlers below must do."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def launch(cmd: list[str]) -> int:
+    """Run torchrun and never outlive it nor let it outlive us: signals are passed on, and a killed
+    launcher takes torchrun (and so every worker) with it, so no orphan keeps writing the run folder."""
+    child = subprocess.Popen(cmd, env=os.environ.copy(), preexec_fn=_die_with_parent)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
