@@ -15,13 +15,26 @@ from selfdraft.precision import cpu_has_native_bf16
 from selfdraft.typed_config import ConfigError, build_dataclass
 
 PRECISIONS = ("auto", "bf16", "fp32")
+# heads.layout: "selfdraft" = our EAGLE head (a 1-layer body of the target's own class); "eagle3" = the
+# published EAGLE-3 architecture (heads/foreign/modules.py), which `selfdraft export --to vllm|sglang`
+# writes for the engines.
+LAYOUTS = ("selfdraft", "eagle3")
+# heads.draft_vocab_size of an eagle3 run that leaves it unset (EAGLE-3's own default for Llama 3).
+EAGLE3_DEFAULT_DRAFT_VOCAB = 32000
+EAGLE3_FEATURE_LAYERS = 3  # the engines' EAGLE-3 drafters fuse exactly three target layers
 
 
 @dataclass
 class HeadsSection:
     kind: str = "eagle"  # "eagle" | "medusa"
-    draft_vocab_size: int | None = None  # reduced draft vocabulary (most frequent training tokens)
-    feature_layers: list[int] = field(default_factory=lambda: [-1])
+    # "selfdraft" | "eagle3" (exportable to vLLM / SGLang; EAGLE only). See LAYOUTS.
+    layout: str = "selfdraft"
+    # reduced draft vocabulary (most frequent training tokens); eagle3: None = min(32000, target vocab)
+    draft_vocab_size: int | None = None
+    # indices into the target's output_hidden_states (-1 = last, post-norm). None: [-1] (selfdraft), or
+    # EAGLE-3's {2, L//2, L-3} (eagle3; three distinct ascending layer inputs in 1..L-1).
+    feature_layers: list[int] | None = None
+    fc_bias: bool | None = None  # the EAGLE fc's bias; None: true (selfdraft), false (eagle3, required)
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1
     medusa_own_lm_head: bool = False
@@ -53,7 +66,9 @@ class TrainSection:
     grad_clip: float = 1.0
     ttt_steps: int = 1  # EAGLE "training-time test": unroll the head on its own features n times
     ttt_decay: float = 0.8
-    feature_weight: float = 0.1  # SmoothL1 on predicted features (EAGLE-1); 0 disables
+    # SmoothL1 on predicted features (EAGLE-1); 0 disables. None: 0.1 (selfdraft), 0 (eagle3, which
+    # drops the feature loss: its head's output is a pre-norm state, not the target's feature)
+    feature_weight: float | None = None
     ce_weight: float = 1.0  # soft CE / forward KL against the target's distribution
     medusa_decay: float = 0.8
     medusa_hard_labels: bool = False  # CE on the text tokens (Medusa-1) instead of the target's distribution
@@ -83,12 +98,118 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
 
+    def __post_init__(self) -> None:
+        """The layout-dependent defaults (None in the file) that do not need the target; eagle3's
+        default feature layers and draft vocabulary do (`resolve_for_target`)."""
+        h, t = self.heads, self.train
+        if h.fc_bias is None:
+            h.fc_bias = h.layout != "eagle3"
+        if t.feature_weight is None:
+            t.feature_weight = 0.0 if h.layout == "eagle3" else 0.1
+        if h.feature_layers is None and h.layout != "eagle3":
+            h.feature_layers = [-1]
+
     def fingerprint(self) -> str:
         """Hash of everything that changes what a step computes (not where or how often it saves)."""
         data = dataclasses.asdict(self)
         data.pop("schedule")
         data.pop("output_dir")
+        heads = data["heads"]
+        if heads["layout"] == "selfdraft" and heads["fc_bias"]:
+            # the defaults of keys added later: runs started before them keep their fingerprint
+            del heads["layout"], heads["fc_bias"]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_layout(config: RunConfig) -> None:
+    """heads.layout and what it rules out, as far as the file alone tells (`resolve_for_target` does
+    the rest once the target's depth is known)."""
+    h = config.heads
+    if h.layout not in LAYOUTS:
+        raise ConfigError(f"heads.layout: {h.layout!r} is not one of {', '.join(LAYOUTS)}")
+    if h.layout != "eagle3":
+        return
+    if h.kind != "eagle":
+        raise ConfigError(
+            f"heads.layout: eagle3 is an EAGLE head architecture, but heads.kind is {h.kind!r}; set "
+            "heads.kind: eagle or drop heads.layout"
+        )
+    if h.fc_bias:
+        raise ConfigError(
+            "heads.fc_bias: true cannot be exported: the EAGLE-3 fc of vLLM and SGLang has no bias; drop "
+            "heads.fc_bias (layout eagle3 trains without one) or use heads.layout: selfdraft"
+        )
+    if config.train.feature_weight:
+        raise ConfigError(
+            f"train.feature_weight: {config.train.feature_weight} with heads.layout: eagle3, which trains "
+            "without the feature loss (its head feeds back a pre-norm state, not the target's feature); "
+            "drop train.feature_weight or set it to 0"
+        )
+    if h.feature_layers is not None:
+        layers = h.feature_layers
+        if len(layers) != EAGLE3_FEATURE_LAYERS or layers[0] < 1 or layers != sorted(set(layers)):
+            raise ConfigError(
+                f"heads.feature_layers: {layers} with heads.layout: eagle3, whose heads fuse three distinct "
+                "target layers, written as output_hidden_states indices in ascending order within 1..L-1 "
+                "(what vLLM and SGLang capture); drop the key for EAGLE-3's default {2, L//2, L-3}"
+            )
+    if h.draft_vocab_size is not None and h.draft_vocab_size < 1:
+        raise ConfigError(f"heads.draft_vocab_size: {h.draft_vocab_size} must be >= 1")
+
+
+def _target_text_config(name_or_path: str):
+    """The target's (text) config, read without loading its weights."""
+    from transformers import AutoConfig
+
+    from selfdraft.target import resolve_target_path
+
+    path = Path(resolve_target_path(name_or_path))
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():  # a PEFT adapter: the depth and vocabulary are its base model's
+        path = Path(resolve_target_path(json.loads(adapter.read_text())["base_model_name_or_path"]))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except OSError as err:
+        raise ConfigError(
+            f"heads.layout: eagle3 needs the target's depth for its default feature layers, but the config "
+            f"of target {name_or_path!r} cannot be read ({type(err).__name__}); set heads.feature_layers "
+            "and heads.draft_vocab_size, or fix target"
+        ) from err
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def resolve_for_target(config: RunConfig, target_config) -> RunConfig:
+    """Fill eagle3's target-dependent defaults in place and check them against the target (its
+    `.config`): feature_layers EAGLE-3's {2, L//2, L-3} (`eagle3_default_layers`), draft_vocab_size
+    min(32000, V). Idempotent; a no-op for the selfdraft layout."""
+    from selfdraft.heads.foreign.modules import eagle3_default_layers
+
+    h = config.heads
+    if h.layout != "eagle3":
+        return config
+    text = getattr(target_config, "get_text_config", lambda: target_config)()
+    depth, vocab = text.num_hidden_layers, text.vocab_size
+    given = h.feature_layers is not None
+    layers = list(h.feature_layers) if given else eagle3_default_layers(depth)
+    if layers != sorted(set(layers)) or len(layers) != EAGLE3_FEATURE_LAYERS or layers[0] < 1:
+        what = f"heads.feature_layers {layers}" if given else f"EAGLE-3's default {{2, L//2, L-3}} = {layers}"
+        raise ConfigError(
+            f"heads.layout: eagle3 on a target of {depth} layers: {what} are not three distinct ascending "
+            f"layers; set heads.feature_layers to three of 1..{depth - 1}"
+        )
+    if layers[-1] > depth - 1:
+        raise ConfigError(
+            f"heads.feature_layers: {layers} with heads.layout: eagle3 on a target of {depth} layers: the "
+            f"engines capture the inputs of layers 1..{depth - 1} (index {depth} is the final-norm output)"
+        )
+    h.feature_layers = layers
+    if h.draft_vocab_size is None:
+        h.draft_vocab_size = min(EAGLE3_DEFAULT_DRAFT_VOCAB, vocab)
+    if h.draft_vocab_size > vocab:
+        raise ConfigError(
+            f"heads.draft_vocab_size: {h.draft_vocab_size} exceeds the target's vocabulary of {vocab} tokens"
+        )
+    return config
 
 
 def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
@@ -103,6 +224,10 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
         raise ConfigError(
             f"train.precision: {config.train.precision!r} is not one of {', '.join(PRECISIONS)}"
         )
+    _check_layout(config)
+    if config.heads.layout == "eagle3" and config.heads.feature_layers is None:
+        # what `selfdraft prepare` caches must already be these layers: resolve them from the target
+        resolve_for_target(config, _target_text_config(config.target))
     return config
 
 

@@ -24,9 +24,15 @@ from selfdraft.heads import HeadsConfig, build_heads, load_heads
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.batches import SampleStream, collate
-from selfdraft.training.config import PRECISIONS, RunConfig, load_run_config, resolve_precision
+from selfdraft.training.config import (
+    PRECISIONS,
+    RunConfig,
+    load_run_config,
+    resolve_for_target,
+    resolve_precision,
+)
 from selfdraft.training.distributed import init_distributed
-from selfdraft.training.feature_cache import HiddenStateCache, compute_features
+from selfdraft.training.feature_cache import HiddenStateCache, compute_features, normalize_layers
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
 from selfdraft.training.prepare import (
     cache_ready,
@@ -54,10 +60,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _check_init_from(config: RunConfig, heads, target) -> None:
+    """Heads continued from heads.init_from must be what the run config says: the same EAGLE layout
+    and the feature layers the run computes or caches."""
+    h, loaded = config.heads, heads.config
+    if loaded.head_kind != h.kind:
+        raise UserError(
+            f"heads.init_from {h.init_from} holds {loaded.head_kind} heads, but heads.kind is {h.kind!r}; "
+            "make them match"
+        )
+    if h.layout == "eagle3" and loaded.eagle_layout != "eagle3":
+        raise UserError(
+            f"heads.init_from {h.init_from} holds eagle_layout {loaded.eagle_layout!r} heads, which vLLM and "
+            "SGLang cannot serve, but heads.layout is eagle3; continue from EAGLE-3 heads or drop heads.layout"
+        )
+    if h.layout == "eagle3" and loaded.eagle_fc_bias:
+        raise UserError(
+            f"heads.init_from {h.init_from} has an fc bias, which vLLM and SGLang cannot serve; continue "
+            "from heads without one"
+        )
+    theirs = normalize_layers(target, loaded.feature_layers)
+    if h.kind == "eagle" and normalize_layers(target, h.feature_layers) != theirs:
+        raise UserError(
+            f"heads.init_from {h.init_from} reads target layers {loaded.feature_layers}, but "
+            f"heads.feature_layers is {h.feature_layers}; set heads.feature_layers: {loaded.feature_layers}"
+        )
+
+
 def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
     h = config.heads
+    resolve_for_target(config, target.config)
     if h.init_from:
-        return load_heads(h.init_from, target)
+        heads = load_heads(h.init_from, target)
+        _check_init_from(config, heads, target)
+        return heads
     heads_config = HeadsConfig.for_target(
         target.config,
         head_kind=h.kind,
@@ -66,6 +102,8 @@ def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
         medusa_num_heads=h.medusa_num_heads,
         medusa_num_layers=h.medusa_num_layers,
         medusa_own_lm_head=h.medusa_own_lm_head,
+        eagle_fc_bias=h.fc_bias,
+        eagle_layout=h.layout if h.kind == "eagle" else "selfdraft",
     )
     torch.manual_seed(config.train.seed)  # identical initial heads on every rank
     heads = build_heads(heads_config).attach(target)
@@ -268,6 +306,7 @@ def main(argv=None) -> int:
     output_dir = Path(config.output_dir)
     dtype = resolve_precision(config.train.precision, device)  # target, features and heads' compute
     target, tokenizer = load_target(config.target, dtype=dtype, device=device)
+    resolve_for_target(config, target.config)  # eagle3: default layers / draft vocab, checked on the target
     layers = feature_layers(config, target)
 
     precision = str(dtype).removeprefix("torch.")
@@ -297,6 +336,11 @@ def main(argv=None) -> int:
         if config.data.feature_cache
         else train
     )
+    if isinstance(examples, HiddenStateCache) and not set(layers) <= set(examples.layers):
+        raise UserError(
+            f"feature cache {config.data.feature_cache} holds target layers {examples.layers}, but this run "
+            f"reads {layers} (heads.feature_layers / heads.layout); set data.feature_cache to a new folder"
+        )
     heldout = heldout_examples(config, heldout, layers, dtype)
 
     heads = build_run_heads(config, target, train).to(device)
