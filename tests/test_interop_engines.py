@@ -467,3 +467,23 @@ def test_unknown_layout_message_names_the_speculators_eagle1_layout(tmp_path):
     with pytest.raises(UnknownLayoutError) as err:
         load_heads(tmp_path)
     assert "speculators EAGLE-1" in str(err.value) and "fusion_fc" in str(err.value)
+
+
+def test_export_refuses_fused_layers_out_of_layer_order(tmp_path):
+    """The engines concatenate captured layers in layer order; an fc trained on another order would
+    silently read the wrong features, so such heads are refused."""
+    from transformers import LlamaConfig
+
+    from selfdraft.heads import HeadsConfig, build_heads, save_heads
+    from selfdraft.heads.foreign.export import ExportError, export_heads
+
+    from tiny_models import COMMON
+
+    six_layers = LlamaConfig(**{**COMMON, "num_hidden_layers": 6})
+    config = HeadsConfig.for_target(
+        six_layers, head_kind="eagle", eagle_layout="eagle3", draft_vocab_size=32, feature_layers=[3, 1, 4]
+    )
+    config.eagle_fc_bias = False
+    save_heads(build_heads(config), tmp_path / "heads")
+    with pytest.raises(ExportError, match="layer order"):
+        export_heads(tmp_path / "heads", tmp_path / "out", "vllm", None, None)

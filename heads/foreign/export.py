@@ -143,6 +143,11 @@ def _input_layer_ids(config: HeadsConfig, engine: str) -> list[int]:
             f"{engine} captures the input of a target layer 1..L-1; feature layers {bad} (of {ids}) are the "
             "embeddings or the final-norm output, which the engines do not capture"
         )
+    if ids != sorted(set(ids)):
+        raise ExportError(
+            f"{engine} concatenates the captured layers in layer order; these heads fuse {ids}, so their fc "
+            "would read them in another order; train or convert heads with distinct ascending feature layers"
+        )
     return ids
 
 
