@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -292,6 +294,25 @@ class RunLog:
                         self.tb.add_scalar(f"{key}/{i}", v, record["step"])
 
 
+class DivergedError(UserError):
+    """The loss stopped being a finite number: training diverged."""
+
+
+def check_finite(loss: torch.Tensor, step: int, output_dir: Path, device, world: int) -> None:
+    """Stop every rank together, before the optimizer step, when any rank's loss is NaN or infinite:
+    a diverged run must not overwrite the last good checkpoint or heads/ with NaN weights."""
+    bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=device)
+    if world > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        last = ckpt.latest_tag(output_dir)
+        kept = f"the last good checkpoint ({last}) and heads/ are kept" if last else "nothing was saved"
+        raise DivergedError(
+            f"training diverged at step {step}: the loss is {float(loss.detach())}; {kept}; "
+            "lower train.lr (or raise warmup_steps) and resume or restart"
+        )
+
+
 def main(argv=None) -> int:
     import deepspeed
 
@@ -310,6 +331,7 @@ def main(argv=None) -> int:
     layers = feature_layers(config, target)
 
     precision = str(dtype).removeprefix("torch.")
+    lock = ckpt.hold_run_lock(output_dir) if rank == 0 else None  # noqa: F841 - held until exit
     meta = ckpt.run_meta(config.fingerprint(), world, precision)
     ckpt.check_meta(output_dir, meta, args.resume)
     dist.barrier()
@@ -392,6 +414,7 @@ def main(argv=None) -> int:
                 dtype,
             )
             out = run_step(config, engine, batch, target)  # through the engine: ZeRO hooks, accumulation
+            check_finite(out.loss, step + 1, output_dir, device, world)
             engine.backward(out.loss)
             engine.step()
             tokens_seen += int(batch["attention_mask"].sum())
@@ -435,5 +458,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def run_worker(argv=None) -> int:
+    """The worker's entry: a user error is one line on stderr and exit status 2, as in the CLI."""
+    try:
+        return main(argv)
+    except UserError as err:
+        rank = os.environ.get("RANK", "0")
+        print(f"selfdraft train (rank {rank}): {err}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_worker())
