@@ -70,3 +70,36 @@ def test_second_live_writer_is_refused(tmp_path):
         held.close()
     # the lock goes with its holder: now a new writer gets it
     assert subprocess.run([sys.executable, "-c", code, str(tmp_path)]).returncode == 0
+
+
+def test_a_full_disk_is_named_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from selfdraft.errors import UserError
+
+    usage = namedtuple("usage", "total used free")
+    (tmp_path / "checkpoints").mkdir()
+    calls = []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 5 * 10**6, 5 * 10**6))
+    with pytest.raises(UserError, match=r"no space left on the device .* needs ~20 MB, 5 MB are free"):
+        ckpt.save_with_space_check(lambda: calls.append(1), tmp_path, "step-0000002", 20 * 10**6)
+    assert calls == []  # refused before writing anything
+
+    def fills_the_disk():  # what torch.save says when the disk fills mid-write
+        partial = tmp_path / "checkpoints" / "step-0000003"
+        partial.mkdir()
+        (partial / "mp_rank_00_model_states.pt").write_bytes(b"trunc")
+        raise RuntimeError("unexpected pos 5 vs 64: basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 10**9))
+    with pytest.raises(UserError, match="no space left"):
+        ckpt.save_with_space_check(fills_the_disk, tmp_path, "step-0000003", 20 * 10**6)
+    assert not (tmp_path / "checkpoints" / "step-0000003").exists()
+    with pytest.raises(RuntimeError, match="other failure"):  # anything else is not disguised
+        ckpt.save_with_space_check(lambda: (_ for _ in ()).throw(RuntimeError("other failure")), tmp_path, "t", 1)
+
+
+def test_checkpoint_bytes_counts_every_parameter():
+    heads = torch.nn.Linear(10, 10)  # 110 parameters
+    assert ckpt.checkpoint_bytes(heads) == 110 * ckpt.CHECKPOINT_BYTES_PER_PARAM

@@ -10,6 +10,7 @@ Layout of output_dir:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -140,6 +141,40 @@ def _atomic_save(heads, dest: Path) -> None:
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)
+
+
+# A checkpoint holds, per head parameter, the 16-bit or fp32 weight, fp32 master weights and Adam's two
+# fp32 moments; the heads/ export adds one fp32 copy. 20 bytes per parameter bounds both from above.
+CHECKPOINT_BYTES_PER_PARAM = 20
+
+
+def checkpoint_bytes(heads) -> int:
+    """Upper bound of the disk space one save (checkpoint tag + heads/ export) needs."""
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in heads.parameters())  # ZeRO-3: full size
+    return CHECKPOINT_BYTES_PER_PARAM * numel
+
+
+def _no_space(needed: int, folder: Path, free: int) -> UserError:
+    return UserError(
+        f"no space left on the device of {folder}: a checkpoint needs ~{needed / 1e6:.0f} MB, "
+        f"{free / 1e6:.0f} MB are free; free some space (or lower schedule.keep_checkpoints) and resume"
+    )
+
+
+def save_with_space_check(save, output_dir: Path, tag: str, needed: int) -> None:
+    """Run `save()` (DeepSpeed's save_checkpoint + the heads export) only if `needed` bytes are free;
+    if the disk fills up anyway, remove the partial tag so `--resume` never meets a truncated file."""
+    free = shutil.disk_usage(output_dir).free
+    if free < needed:
+        raise _no_space(needed, output_dir, free)
+    try:
+        save()
+    except (OSError, RuntimeError) as err:
+        message = str(err)
+        if getattr(err, "errno", None) != errno.ENOSPC and "No space" not in message and "iostream" not in message:
+            raise
+        shutil.rmtree(output_dir / "checkpoints" / tag, ignore_errors=True)
+        raise _no_space(needed, output_dir, shutil.disk_usage(output_dir).free) from err
 
 
 WRITER_LOCK = "writer.lock"

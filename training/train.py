@@ -441,12 +441,18 @@ def main(argv=None) -> int:
             scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world)
             log.write({"step": step, **scores})
         if step % config.schedule.save_every == 0 or step == total:
-            engine.save_checkpoint(
-                str(output_dir / "checkpoints"),
-                tag=f"step-{step:07d}",
-                client_state={"step": step, "fingerprint": config.fingerprint()},
-            )
-            ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage)
+            save_tag = f"step-{step:07d}"
+
+            def save(save_tag: str = save_tag, step: int = step) -> None:
+                engine.save_checkpoint(
+                    str(output_dir / "checkpoints"),
+                    tag=save_tag,
+                    client_state={"step": step, "fingerprint": config.fingerprint()},
+                )
+                ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage)
+
+            # every rank checks the same folder, so all of them stop or all of them save (collective)
+            ckpt.save_with_space_check(save, output_dir, save_tag, ckpt.checkpoint_bytes(engine.module.heads))
             if rank == 0:
                 ckpt.prune_checkpoints(output_dir, config.schedule.keep_checkpoints)
                 log.write({"step": step, "event": "checkpoint"})
