@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from selfdraft import precision
-from selfdraft.bench.divergence import first_divergence, float32_reference, ulp
+from selfdraft.bench.divergence import first_divergence, float32_reference, own_gap_spread, ulp
 from selfdraft.bench.report import identical_cell
 from selfdraft.bench.run import mark_divergences
 from selfdraft.inference import SelfDraftModel
@@ -83,6 +83,19 @@ def test_low_precision_divergence_is_measured_in_float32():
     la, lb = float(logits[ref[3]]), float(logits[other[3]])
     assert found.gap == pytest.approx(abs(la - lb), abs=1e-6)
     assert found.gap_ulps == pytest.approx(abs(la - lb) / ulp(torch.bfloat16, max(abs(la), abs(lb))))
+    # the spread is the target's own, in its dtype: float32 logits hardly move with the block size
+    ids = torch.tensor([prompt[0].tolist() + ref[:3]])
+    assert found.spread == pytest.approx(own_gap_spread(bf16, ids, ref[3], other[3])) and found.spread >= 0
+    assert own_gap_spread(target, ids, ref[3], other[3]) < 1e-4
+
+
+def test_near_tie_threshold_is_the_measured_spread():
+    """A gap of 5.9 ulps is a near-tie when the target's own gap moves by more across block sizes."""
+    from selfdraft.bench.divergence import Divergence
+
+    assert Divergence(3, 1, 2, gap=0.1, gap_ulps=5.9, spread=0.125).near_tie
+    assert not Divergence(3, 1, 2, gap=0.1, gap_ulps=5.9, spread=0.05).near_tie
+    assert Divergence(3, 1, 2, gap=0.01, gap_ulps=1.5).near_tie
 
 
 def test_bench_marks_divergences_and_counts_them():
@@ -97,7 +110,8 @@ def test_bench_marks_divergences_and_counts_them():
     ]
     mark_divergences(target, rows, {"p": prompt})
     assert rows[1]["divergence"]["position"] == 2 and "divergence" not in rows[2]
-    assert rows[1]["divergence"]["near_tie"] == (rows[1]["divergence"]["gap_ulps"] <= 2)
+    found = rows[1]["divergence"]
+    assert found["near_tie"] == (found["gap_ulps"] <= 2 or found["gap"] <= found["spread"])
     record = {"identical_to_baseline": False, "identical_prompts": 4, "n": 6, "near_tie_prompts": 2}
     assert identical_cell(record) == "4/6 (2 near-tie)"
     assert identical_cell({**record, "near_tie_prompts": 1}) == "4/6 (1 near-tie) NO"
