@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -37,3 +38,23 @@ class BorrowingModule(nn.Module):
         if self.borrowed is None:
             raise RuntimeError("heads are not attached to a target: call heads.attach(target) first")
         return self.borrowed
+
+    # EAGLE-style heads set `self.lm_head`: their own projection over a draft vocabulary (with
+    # `self.draft_vocab` mapping draft ids to target ids), or None to use the target's. No class-level
+    # default: it would shadow the submodule nn.Module registers under that name.
+
+    def init_projection_from_target(self) -> None:
+        """An own draft projection starts as the target's lm_head rows of the draft vocabulary."""
+        if self.lm_head is None:
+            return
+        weight = self._need().lm_head.weight[self.draft_vocab.target_ids()]
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [..., h] -> logits [..., V'] by the own projection, or the target's lm_head
+        (which may hold another dtype than the heads)."""
+        if self.lm_head is None:
+            lm_head = self._need().lm_head
+            return lm_head(features.to(lm_head.weight.dtype))
+        return self.lm_head(features)

@@ -64,12 +64,6 @@ class EagleHead(BorrowingModule):
             self.lm_head = None
             self.draft_vocab = None
 
-    def init_projection_from_target(self) -> None:
-        if self.lm_head is None:
-            return
-        weight = self._need().lm_head.weight[self.draft_vocab.target_ids()]
-        with torch.no_grad():
-            self.lm_head.weight.copy_(weight)
 
     def fuse_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
         """The target's `output_hidden_states` tuple -> the head's input feature f: [B, T, h]."""
@@ -101,7 +95,4 @@ class EagleHead(BorrowingModule):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., h] -> logits [..., V'] (V' = draft vocab size when one is used)."""
-        if self.lm_head is None:
-            lm_head = self._need().lm_head  # the target's: it may hold another dtype than the head
-            return lm_head(features.to(lm_head.weight.dtype))
-        return self.lm_head(features)
+        return self.project(features)

@@ -59,17 +59,7 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
     Used after tree verification to retain only the accepted path's keys and values.
     """
     index = torch.cat([torch.arange(prefix_len, device=keep.device), keep.to(torch.long)])
-    for layer in _layers(cache):
-        if getattr(layer, "is_sliding", False):
-            raise UserError(
-                "tree KV compaction of sliding-window cache layers is not supported; "
-                "load the target without a sliding window"
-            )
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        idx = index.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
+    gather_rows(cache, torch.arange(1), index[None])
 
 
 def gather_rows(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor) -> None:

@@ -271,12 +271,6 @@ class ForeignEagleHead(BorrowingModule):
     def layout(self) -> str:
         return self.config.eagle_layout
 
-    def init_projection_from_target(self) -> None:
-        if self.lm_head is None:
-            return
-        weight = self._need().lm_head.weight[self.draft_vocab.target_ids()]
-        with torch.no_grad():
-            self.lm_head.weight.copy_(weight)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.embed_tokens if self.embed_tokens is not None else self._need().embed
@@ -313,7 +307,4 @@ class ForeignEagleHead(BorrowingModule):
         """features: [..., h] -> logits [..., V'] (V' = draft vocab size when one is used)."""
         if self.norm is not None and not self.norm_output:  # norm_output: `forward` already normed
             features = self.norm(features)
-        if self.lm_head is None:
-            lm_head = self._need().lm_head  # the target's: it may hold another dtype than the head
-            return lm_head(features.to(lm_head.weight.dtype))
-        return self.lm_head(features)
+        return self.project(features)
