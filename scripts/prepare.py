@@ -24,7 +24,7 @@ def prepare_from_config(
     """Data splits, then the feature cache of both splits (unless `fill_cache` is False, e.g. a
     partial-cache run). The target runs on the CPU in the run's train.precision (auto: bf16 where the
     CPU multiplies bf16 natively)."""
-    from selfdraft.target import load_target
+    from selfdraft.target import load_target, resolve_target_path
     from selfdraft.training.config import load_run_config, resolve_precision
     from selfdraft.training.prepare import prepare_features, prepare_splits
 
@@ -32,11 +32,15 @@ def prepare_from_config(
     if precision:
         overrides["train"] = {"precision": precision}
     config = load_run_config(config_path, overrides)
+    if not (fill_cache and config.data.feature_cache):  # splits only: the tokenizer is enough
+        from transformers import AutoTokenizer
+
+        prepare_splits(config, AutoTokenizer.from_pretrained(resolve_target_path(config.target)))
+        return
     dtype = resolve_precision(config.train.precision, "cpu")
     target, tokenizer = load_target(config.target, dtype=dtype)
     train, heldout = prepare_splits(config, tokenizer)
-    if fill_cache and config.data.feature_cache:  # resumable: finished shards are skipped
-        prepare_features(config, target, train, batch_size=batch_size, heldout=heldout)
+    prepare_features(config, target, train, batch_size=batch_size, heldout=heldout)  # resumable
 
 
 def run(args: argparse.Namespace) -> int:

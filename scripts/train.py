@@ -60,14 +60,17 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.scripts.prepare import prepare_from_config
     from selfdraft.training.config import load_run_config
 
-    if args.node_rank == 0:  # once, before the ranks start: they then only read what it wrote
-        config = load_run_config(args.config)
-        prepare_from_config(
-            args.config,
-            args.output_dir,
-            fill_cache=not config.data.partial_cache,
-            precision=getattr(args, "precision", None),
-        )
+    # Every node prepares before its ranks start, in parallel: with node-local storage each node needs
+    # its own splits (and feature cache); on a shared filesystem the builders' locks make one node build
+    # and the others reuse it. Preparing on node 0 alone would leave the other nodes waiting at the
+    # rendezvous for as long as the preparation takes.
+    config = load_run_config(args.config)
+    prepare_from_config(
+        args.config,
+        args.output_dir,
+        fill_cache=not config.data.partial_cache,
+        precision=getattr(args, "precision", None),
+    )
     cmd = torchrun_command(args)
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     return launch(cmd)
