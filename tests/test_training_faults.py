@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,54 @@ def test_a_full_disk_is_named_and_leaves_no_partial_checkpoint(tmp_path, monkeyp
 def test_checkpoint_bytes_counts_every_parameter():
     heads = torch.nn.Linear(10, 10)  # 110 parameters
     assert ckpt.checkpoint_bytes(heads) == 110 * ckpt.CHECKPOINT_BYTES_PER_PARAM
+
+
+@pytest.mark.slow
+def test_two_rank_zero3_run_is_killed_and_resumes(tmp_path, tiny_target_dir):
+    """ZeRO-3 with 2 ranks: collective evaluation and saving run, a kill -9 of the whole job loses at
+    most one checkpoint interval, and the resumed job finishes without skipping or repeating a step."""
+    rows = [{"id": str(i), "text": " ".join(f"w{(5 * i + j) % 70}" for j in range(40))} for i in range(40)]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps = 24
+    config = {
+        "target": str(tiny_target_dir),
+        "output_dir": str(tmp_path / "run"),
+        "deepspeed": str(ROOT / "configs/deepspeed/zero3.json"),
+        "heads": {"kind": "eagle", "draft_vocab_size": 256},
+        "data": {"sources": [str(tmp_path / "texts.jsonl")], "max_length": 40, "heldout_fraction": 0.1},
+        "train": {"max_steps": steps, "micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1, "precision": "fp32"},
+        "schedule": {"save_every": 3, "eval_every": 3, "log_every": 1, "eval_examples": 4},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "selfdraft.training.train", "--config", str(path)]  # fmt: skip
+
+    def log() -> list[dict]:
+        file = run / "log.jsonl"
+        return [json.loads(x) for x in file.read_text().splitlines()] if file.is_file() else []
+
+    proc = subprocess.Popen(job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        saved = [r["step"] for r in log() if r.get("event") == "checkpoint"]
+        if saved and saved[-1] >= 6:
+            break
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    logged = [r["step"] for r in log() if "loss" in r]
+    assert logged[-1] < steps, "the job finished before it could be killed"
+    assert any("eval_loss" in r for r in log())  # evaluation ran on both ranks without a hang
+
+    resumed = subprocess.run(job + ["--resume"], env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = log()
+    resume = next(r for r in records if r.get("event") == "resume")
+    assert resume["step"] >= 6 and logged[-1] - resume["step"] <= 3
+    after = [r["step"] for r in records[records.index(resume) :] if "loss" in r]
+    assert after == list(range(resume["step"] + 1, steps + 1))
+    assert [r for r in records if r.get("event") == "done"][-1]["step"] == steps

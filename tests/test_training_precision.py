@@ -195,7 +195,7 @@ def _equal_length_texts(tiny_target_dir: Path, tmp_path: Path, length: int, coun
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("stage", "precision"), [(1, "fp32"), (3, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize(("stage", "precision"), [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")])
 def test_accumulation_matches_a_larger_micro_batch(tmp_path, tiny_target_dir, stage, precision):
     """2 ranks: accumulation 2 x micro-batch 1 ends with the same heads as accumulation 1 x micro-batch
     2 (both see the same 4 rows per optimizer step), after 4 AdamW steps that move the heads by > 1e-3
