@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from selfdraft.errors import UserError
+from selfdraft.scripts.options import add_device_argument, resolve_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,14 +18,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="JSONL file to append regenerated conversations to")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="the target's dtype while it generates (auto: bf16 on CUDA and on CPUs with native bf16)",
+    )
+    add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.corpora import load_source
     from selfdraft.target import load_target
+    from selfdraft.training.config import resolve_precision
     from selfdraft.training.distill import regenerate_assistant_turns
 
-    target, tokenizer = load_target(args.target)
+    device = resolve_device(args.device)
+    target, tokenizer = load_target(args.target, dtype=resolve_precision(args.precision, device), device=device)
     records = [r for r in load_source(args.source) if "messages" in r]
     if not records:
         raise UserError(f"{args.source} has no chat records to regenerate")

@@ -20,3 +20,19 @@ def add_precision_arguments(parser: argparse.ArgumentParser, with_defaults: bool
         help="the heads' dtype: auto (bfloat16 on CPUs with native bf16, else the target's), or a "
         "dtype name; heads only change speed, never the output",
     )
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the target runs: auto (cuda when available, else cpu), cpu, cuda, cuda:N",
+    )
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name

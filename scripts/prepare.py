@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from selfdraft.scripts.options import add_device_argument, resolve_device
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="run config YAML")
@@ -12,6 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision", choices=("auto", "bf16", "fp32"), default=None, help="override train.precision"
     )
+    add_device_argument(parser)
 
 
 def prepare_from_config(
@@ -20,10 +23,11 @@ def prepare_from_config(
     batch_size: int = 8,
     fill_cache: bool = True,
     precision: str | None = None,
+    device: str = "cpu",
 ) -> None:
     """Data splits, then the feature cache of both splits (unless `fill_cache` is False, e.g. a
-    partial-cache run). The target runs on the CPU in the run's train.precision (auto: bf16 where the
-    CPU multiplies bf16 natively)."""
+    partial-cache run). The target runs on `device` in the run's train.precision there (auto: bf16 on
+    bf16 GPUs and on CPUs that multiply bf16 natively), in batches of `batch_size`."""
     from selfdraft.target import load_target, resolve_target_path
     from selfdraft.training.config import load_run_config, resolve_precision
     from selfdraft.training.prepare import prepare_features, prepare_splits
@@ -37,12 +41,14 @@ def prepare_from_config(
 
         prepare_splits(config, AutoTokenizer.from_pretrained(resolve_target_path(config.target)))
         return
-    dtype = resolve_precision(config.train.precision, "cpu")
-    target, tokenizer = load_target(config.target, dtype=dtype)
+    dtype = resolve_precision(config.train.precision, device)
+    target, tokenizer = load_target(config.target, dtype=dtype, device=device)
     train, heldout = prepare_splits(config, tokenizer)
     prepare_features(config, target, train, batch_size=batch_size, heldout=heldout)  # resumable
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare_from_config(args.config, args.output_dir, args.batch_size, precision=args.precision)
+    prepare_from_config(
+        args.config, args.output_dir, args.batch_size, precision=args.precision, device=resolve_device(args.device)
+    )
     return 0
