@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 
 from selfdraft.corpora import load_sharegpt
-from selfdraft.errors import MissingFileError
+from selfdraft.errors import MissingFileError, UserError
 from selfdraft.splits import is_heldout
 
 
@@ -46,16 +46,29 @@ def humaneval(limit: int) -> list[Prompt]:
     return [Prompt(r["task_id"], r["prompt"], chat=False) for r in rows[:limit]]
 
 
-def user_jsonl(path: str, limit: int) -> list[Prompt]:
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines()):
+def read_prompt_rows(path: str | Path) -> list[dict]:
+    """Rows {"line" (1-based), "id" (None when absent), "prompt", "chat" (default true)} of a JSONL file
+    of prompts; a missing file, a line that is not JSON or a row without a "prompt" string is refused."""
+    if not Path(path).is_file():
+        raise MissingFileError(f"{path} does not exist; pass a JSONL file of prompts")
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if "prompt" not in row:
-            raise ValueError(f"{path}:{n + 1}: each row needs a `prompt` (and optional `id`, `chat`)")
-        out.append(Prompt(str(row.get("id", n)), row["prompt"], bool(row.get("chat", True))))
-    return out[:limit]
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{n}: not JSON ({err.msg}); write one JSON object per line") from err
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f'{path}:{n}: each row needs a "prompt" string (and optional "id", "chat")')
+        rows.append({"line": n, "id": row.get("id"), "prompt": row["prompt"], "chat": bool(row.get("chat", True))})
+    return rows
+
+
+def user_jsonl(path: str, limit: int) -> list[Prompt]:
+    rows = read_prompt_rows(path)
+    ids = [str(r["line"] - 1) if r["id"] is None else str(r["id"]) for r in rows]
+    return [Prompt(i, r["prompt"], r["chat"]) for i, r in zip(ids, rows, strict=True)][:limit]
 
 
 def load_prompt_set(spec: str) -> list[Prompt]:

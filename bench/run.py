@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from selfdraft.bench.divergence import first_divergence, float32_reference
 from selfdraft.bench.prompts import Prompt, load_prompt_set
 from selfdraft.bench.report import PHASES, summarize, summarize_batches
-from selfdraft.bench.timing import Timed, run_baseline, run_speculative, verify_cost_curve
+from selfdraft.bench.timing import Timed, run_baseline, run_baseline_batch, run_speculative, verify_cost_curve
 from selfdraft.errors import UserError
 from selfdraft.inference.drafting import heads_dtype
 from selfdraft.inference.model import SHIPPED, SelfDraftModel
@@ -103,9 +103,7 @@ class Runner:
                 self.assistants[m.label] = draft
 
     def ids(self, prompt: Prompt) -> torch.Tensor:
-        if prompt.chat:
-            return self.base.chat_ids(prompt.text)
-        return self.tokenizer(prompt.text, return_tensors="pt").input_ids
+        return self.base.prompt_ids(prompt.text, prompt.chat)
 
     @torch.no_grad()
     def run(
@@ -201,40 +199,6 @@ def run_bench(config: BenchConfig) -> dict:
 BATCHED_KINDS = ("baseline", "selfdraft")  # transformers' prompt lookup / assisted generation take one row
 
 
-@torch.no_grad()
-def run_baseline_batch(
-    model: SelfDraftModel, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float
-) -> tuple[list[list[int]], float]:
-    """The target's own batched `generate`: prompts left-padded, same stop ids and budget.
-    Returns (each row's tokens up to and including its first stop token, seconds)."""
-    stop = model.default_stop_ids()
-    pad = stop[0] if stop else 0
-    width = max(p.numel() for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.numel() :] = p
-        mask[b, width - p.numel() :] = 1
-    kwargs: dict = {"do_sample": False}
-    if temperature > 0:
-        kwargs = {"do_sample": True, "temperature": temperature, "top_k": None}
-    start = time.perf_counter()
-    out = model.target.generate(
-        ids.to(model.target.device),
-        attention_mask=mask.to(model.target.device),
-        max_new_tokens=max_new_tokens,
-        eos_token_id=stop or None,
-        pad_token_id=pad,
-        **kwargs,
-    )
-    seconds = time.perf_counter() - start
-    rows = []
-    for new in out[:, width:].tolist():
-        end = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))
-        rows.append(new[:end])
-    return rows, seconds
-
-
 def run_batches(runner: Runner, prompts: list[Prompt], config: BenchConfig) -> list[dict]:
     """Every batch size: baseline and selfdraft methods interleaved (B1: A B C, B4: A B C, ...).
 
@@ -247,7 +211,7 @@ def run_batches(runner: Runner, prompts: list[Prompt], config: BenchConfig) -> l
     def once(m: Method, batch: list[torch.Tensor], temperature: float, seed: int, n: int) -> tuple[list, float]:
         torch.manual_seed(seed)
         if m.kind == "baseline":
-            return run_baseline_batch(runner.base, batch, n, temperature)
+            return run_baseline_batch(runner.base, batch, n, temperature=temperature)
         start = time.perf_counter()
         outs = runner.models[m.label].generate(batch, n, temperature=temperature, seed=seed)
         return [o.tokens for o in outs], time.perf_counter() - start

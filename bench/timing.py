@@ -64,12 +64,6 @@ def run_baseline(
 
     generate_kwargs: extra `generate` options (prompt lookup, an assistant model)."""
     stop = model.default_stop_ids()
-    kwargs = {"do_sample": False}
-    if sampling.get("temperature", 0.0) > 0:
-        kwargs = {"do_sample": True, "temperature": sampling["temperature"]}
-        kwargs.update({k: sampling[k] for k in ("top_k", "top_p") if sampling.get(k) is not None})
-        if "top_k" not in kwargs:
-            kwargs["top_k"] = None
     start = time.perf_counter()
     out = model.target.generate(
         input_ids,
@@ -77,11 +71,52 @@ def run_baseline(
         max_new_tokens=max_new_tokens,
         eos_token_id=stop or None,
         pad_token_id=stop[0] if stop else 0,
-        **kwargs,
+        **_sampling_kwargs(sampling),
         **(generate_kwargs or {}),
     )
     seconds = time.perf_counter() - start
     return Timed(out[0, input_ids.shape[1] :].tolist(), seconds)
+
+
+def _sampling_kwargs(sampling: dict) -> dict:
+    """`generate` options for the same sampling as selfdraft's: greedy unless a temperature is given,
+    and no top-k unless asked (transformers would default to 50)."""
+    if sampling.get("temperature", 0.0) <= 0:
+        return {"do_sample": False}
+    kwargs = {"do_sample": True, "temperature": sampling["temperature"], "top_k": None}
+    kwargs.update({k: sampling[k] for k in ("top_k", "top_p") if sampling.get(k) is not None})
+    return kwargs
+
+
+@torch.no_grad()
+def run_baseline_batch(
+    model: SelfDraftModel, prompts: list[torch.Tensor], max_new_tokens: int, **sampling
+) -> tuple[list[list[int]], float]:
+    """The target's own batched `generate`: prompts left-padded, same stop ids and budget.
+    Returns (each row's tokens up to and including its first stop token, seconds)."""
+    stop = model.default_stop_ids()
+    pad = stop[0] if stop else 0
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel() :] = p
+        mask[b, width - p.numel() :] = 1
+    start = time.perf_counter()
+    out = model.target.generate(
+        ids.to(model.target.device),
+        attention_mask=mask.to(model.target.device),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop or None,
+        pad_token_id=pad,
+        **_sampling_kwargs(sampling),
+    )
+    seconds = time.perf_counter() - start
+    rows = []
+    for new in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))
+        rows.append(new[:end])
+    return rows, seconds
 
 
 def run_speculative(

@@ -39,17 +39,19 @@ from selfdraft import kv
 from selfdraft.errors import UserError
 from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.decoding import (
-    ACCEPTANCE_MODES,
     GenerationOutput,
     GenerationStats,
     TargetPass,
     accept_tree,
+    check_prompt_fits,
+    check_request,
+    cut_at_stop,
     first_token,
     tree_that_fits,
 )
 from selfdraft.inference.drafting import make_drafter
 from selfdraft.target import max_context
-from selfdraft.tree import TreeShape, TreeSpec, ancestor_matrix
+from selfdraft.tree import TreeShape, TreeSpec, ancestor_matrix, float_mask
 
 PROTOCOL = ("observe", "begin", "children", "feed", "end")
 
@@ -107,11 +109,9 @@ class _Row:
 
     def emit(self, new: list[int]) -> None:
         """Append tokens up to a stop token or the budget; sets `done` when generation is over."""
-        for i, tok in enumerate(new):
-            if tok in self.stops or len(self.out) + i + 1 >= self.max_new_tokens:
-                new, self.done = new[: i + 1], True
-                self.stats.finish_reason = "stop" if tok in self.stops else "length"
-                break
+        new, reason = cut_at_stop(new, self.stops, len(self.out), self.max_new_tokens)
+        if reason is not None:
+            self.done, self.stats.finish_reason = True, reason
         self.out.extend(new)
         self.context.extend(new)
 
@@ -128,13 +128,6 @@ def _row_drafters(heads, n: int) -> list:
             "one drafter object cannot draft for several rows; pass a list of one drafter per prompt"
         )
     return [make_drafter(heads) for _ in range(n)]
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool [B, q, k] -> float additive mask [B, 1, q, k] (0 allowed, finfo.min elsewhere)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )[:, None]
 
 
 def _split(hidden_states: tuple[torch.Tensor, ...], b: int) -> tuple[torch.Tensor, ...]:
@@ -168,7 +161,7 @@ def _prefill(target, prompts: list[torch.Tensor], cache, pad_id: int) -> TargetP
         extra["logits_to_keep"] = torch.tensor(keep, device=device)
     out = target(
         input_ids=ids,
-        attention_mask=_additive(allowed.to(device), dtype),
+        attention_mask=float_mask(allowed.to(device), dtype)[:, None],
         position_ids=i.to(device)[None].expand(len(prompts), -1),
         output_hidden_states=True,
         **extra,
@@ -206,7 +199,7 @@ def _verify_trees(
     dtype = target.get_input_embeddings().weight.dtype
     out = target(
         input_ids=tokens.to(device),
-        attention_mask=_additive(allowed.to(device), dtype),
+        attention_mask=float_mask(allowed.to(device), dtype)[:, None],
         position_ids=positions.to(device),
         output_hidden_states=True,
         **kv.cache_kwargs(target, cache),
@@ -255,10 +248,7 @@ def batched_speculative_generate(
     passes it took part in; verify_time / compact_time / prefill_time are those shared passes' wall
     time, total_time is the wall time until that row finished.
     """
-    if acceptance not in ACCEPTANCE_MODES:
-        raise UserError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_request(acceptance, max_new_tokens)
     if not prompts:
         raise UserError("no prompts; pass at least one prompt")
     n = len(prompts)
@@ -269,10 +259,7 @@ def batched_speculative_generate(
             raise UserError(
                 f"prompt {i} has shape {tuple(p.shape)}; each prompt must be a non-empty 1-D id list"
             )
-        if limit is not None and p.numel() > limit:
-            raise UserError(
-                f"prompt {i} has {p.numel()} tokens but the target's context holds {limit}; shorten it"
-            )
+        check_prompt_fits(p.numel(), limit, f"prompt {i}")
     stops = set(int(t) for t in stop_token_ids)
     pad_id = 0  # any id in the vocabulary: pad slots and dummy nodes are masked
     device = prompts[0].device

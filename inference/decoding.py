@@ -143,6 +143,32 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> in
     return sample(warp_probs(logits, sampling), generator)
 
 
+def check_request(acceptance: str, max_new_tokens: int) -> None:
+    if acceptance not in ACCEPTANCE_MODES:
+        raise UserError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def check_prompt_fits(prompt_len: int, limit: int | None, which: str = "the prompt") -> None:
+    """A prompt of exactly the context still yields one token (its last logits); a longer one cannot."""
+    if limit is not None and prompt_len > limit:
+        raise UserError(
+            f"{which} has {prompt_len} tokens but the target's context holds {limit}; shorten it"
+        )
+
+
+def cut_at_stop(
+    new: list[int], stops: set[int], produced: int, max_new_tokens: int
+) -> tuple[list[int], str | None]:
+    """The part of `new` to emit after `produced` tokens, and why generation ends there ("stop" at a
+    stop token, "length" at the budget) or None when it goes on."""
+    for i, tok in enumerate(new):
+        if tok in stops or produced + i + 1 >= max_new_tokens:
+            return new[: i + 1], "stop" if tok in stops else "length"
+    return new, None
+
+
 def tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeShape | None:
     """The tree if its deepest node still has a position inside the context; else a shorter chain,
     never deeper than what the drafter proposes for this shape (Medusa has one head per depth)."""
@@ -169,16 +195,10 @@ def speculative_generate(
 
     streamer: anything with transformers' streamer interface (`put(tensor)`, `end()`).
     """
-    if acceptance not in ACCEPTANCE_MODES:
-        raise UserError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_request(acceptance, max_new_tokens)
     limit = max_context(target)
     prompt_len = input_ids.shape[1]
-    if limit is not None and prompt_len > limit:
-        raise UserError(
-            f"the prompt has {prompt_len} tokens but the target's context holds {limit}; shorten the prompt"
-        )
+    check_prompt_fits(prompt_len, limit)
     stops = set(int(t) for t in stop_token_ids)
     stats = GenerationStats()
     generator = sampling.make_generator(input_ids.device)
@@ -195,13 +215,10 @@ def speculative_generate(
 
     def emit(new: list[int]) -> bool:
         """Append tokens up to a stop token or the budget; True when generation is over."""
-        for i, tok in enumerate(new):
-            if tok in stops or len(out) + i + 1 >= max_new_tokens:
-                chunk, done = new[: i + 1], True
-                stats.finish_reason = "stop" if tok in stops else "length"
-                break
-        else:
-            chunk, done = new, False
+        chunk, reason = cut_at_stop(new, stops, len(out), max_new_tokens)
+        done = reason is not None
+        if done:
+            stats.finish_reason = reason
         out.extend(chunk)
         context.extend(chunk)
         if streamer is not None:

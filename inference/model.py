@@ -264,12 +264,17 @@ class SelfDraftModel:
         )
 
     def chat_ids(self, prompt: str | bytes) -> torch.Tensor:
-        """Token ids of `prompt` as one user turn in the target's chat template (plain text without one).
-        Bytes must be UTF-8."""
-        prompt = prompt_text(prompt)
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        return self.tokenizer(prompt, return_tensors="pt").input_ids
+        """Token ids [1, T] of `prompt` as one user turn in the target's chat template (plain text
+        without one). Bytes must be UTF-8."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.prompt_ids(prompt, chat=False)
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt_text(prompt)}], tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+    def prompt_ids(self, prompt: str | bytes, chat: bool = True) -> torch.Tensor:
+        """Token ids [1, T]: a chat turn (`chat_ids`), or the raw text (e.g. code to complete)."""
+        if chat:
+            return self.chat_ids(prompt)
+        return self.tokenizer(prompt_text(prompt), return_tensors="pt").input_ids

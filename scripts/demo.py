@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     reference = None  # float32 copy of a low-precision target, to tell near-ties from errors
     for prompt in PROMPTS:
         code = prompt.startswith("def ")
-        ids = model.tokenizer(prompt, return_tensors="pt").input_ids if code else model.chat_ids(prompt)
+        ids = model.prompt_ids(prompt, chat=not code)
         print(f">>> {prompt}")
         streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
         result = compare(model, ids, args.max_new_tokens, repeats=args.repeats, streamer=streamer)

@@ -45,21 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_prompts_file(path: str) -> list[dict]:
     """Rows {"prompt", "id" (default: the line number), "chat" (default true)} of a JSONL file."""
-    from selfdraft.errors import MissingFileError, UserError
+    from selfdraft.bench.prompts import read_prompt_rows
+    from selfdraft.errors import UserError
 
-    if not Path(path).is_file():
-        raise MissingFileError(f"--prompts-file {path} does not exist; pass a JSONL file of prompts")
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{n}: not JSON ({err.msg}); write one JSON object per line") from err
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f'{path}:{n}: each row needs a "prompt" string (and optional "id", "chat")')
-        rows.append({"id": row.get("id", n), "prompt": row["prompt"], "chat": bool(row.get("chat", True))})
+    rows = [
+        {"id": r["line"] if r["id"] is None else r["id"], "prompt": r["prompt"], "chat": r["chat"]}
+        for r in read_prompt_rows(path)
+    ]
     if not rows:
         raise UserError(f"{path} holds no prompts; write one JSON object per line")
     return rows
@@ -78,18 +70,11 @@ def check_file_arguments(args: argparse.Namespace) -> list[dict]:
 
 def run_file(args: argparse.Namespace, model, rows: list[dict]) -> int:
     """Generate every prompt of --prompts-file in batches of --batch-size; write --out as JSONL."""
-    from selfdraft.inference.model import prompt_text
-
     total, start = 0, time.perf_counter()
     with Path(args.out).open("w") as fh:
         for first in range(0, len(rows), args.batch_size):
             batch = rows[first : first + args.batch_size]
-            ids = [
-                model.chat_ids(r["prompt"])[0]
-                if r["chat"]
-                else model.tokenizer(prompt_text(r["prompt"]), return_tensors="pt").input_ids[0]
-                for r in batch
-            ]
+            ids = [model.prompt_ids(r["prompt"], r["chat"])[0] for r in batch]
             seed = None if args.seed is None else args.seed + first  # row i of the file: seed + i
             outs = model.generate(
                 ids,
@@ -124,7 +109,6 @@ def run_file(args: argparse.Namespace, model, rows: list[dict]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.inference.model import prompt_text
 
     if args.out and not args.prompts_file:
         from selfdraft.errors import UserError
@@ -142,11 +126,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if rows is not None:
         return run_file(args, model, rows)
-    ids = (
-        model.tokenizer(prompt_text(args.prompt), return_tensors="pt").input_ids
-        if args.raw
-        else model.chat_ids(args.prompt)
-    )
+    ids = model.prompt_ids(args.prompt, chat=not args.raw)
     streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = model.generate(
         ids,

@@ -38,10 +38,7 @@ def run(args: argparse.Namespace) -> int:
     model = SelfDraftModel.from_pretrained(
         args.target, heads=args.heads, tree="chain-1", dtype=args.dtype, draft_dtype=args.draft_dtype
     )
-    prompts = [
-        model.chat_ids(p.text) if p.chat else model.tokenizer(p.text, return_tensors="pt").input_ids
-        for p in load_prompt_set(args.prompts)
-    ]
+    prompts = [model.prompt_ids(p.text, p.chat) for p in load_prompt_set(args.prompts)]
     candidates = args.candidates or CANDIDATES
     if args.max_tree_tokens is not None:
         candidates = [c for c in candidates if resolve_tree(c).max_tokens <= args.max_tree_tokens]

@@ -410,8 +410,14 @@ def additive_mask(
     misread by some attention backends (eager attention adds them as 0/1).
     """
     full = torch.cat([torch.ones(allowed.shape[0], prefix_len, dtype=torch.bool), allowed.cpu()], dim=1)
-    mask = torch.zeros(full.shape, dtype=dtype).masked_fill(~full, torch.finfo(dtype).min)
-    return mask.to(device)[None, None]
+    return float_mask(full, dtype).to(device)[None, None]
+
+
+def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [..., q, k] -> additive float mask of the same shape: 0 allowed, finfo.min elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
 def tree_attention_mask(

@@ -55,3 +55,36 @@ def tiny_target_dir(tmp_path_factory):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def text_run(tmp_path, tiny_target_dir):
+    """A factory of small training runs on the tiny target: 40 plain-text rows, EAGLE heads (draft
+    vocab 256), ZeRO-`stage`; sections given as keyword dicts update the defaults. Returns the
+    config path (output_dir: tmp_path / "run")."""
+    import json
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    texts = tmp_path / "texts.jsonl"
+    rows = [{"id": str(i), "text": " ".join(f"w{(3 * i + j) % 60}" for j in range(40))} for i in range(40)]
+    texts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def write(stage: int = 1, **sections) -> Path:
+        config = {
+            "target": str(tiny_target_dir),
+            "output_dir": str(tmp_path / "run"),
+            "deepspeed": str(root / f"configs/deepspeed/zero{stage}.json"),
+            "heads": {"kind": "eagle", "draft_vocab_size": 256},
+            "data": {"sources": [str(texts)], "max_length": 40, "heldout_fraction": 0.1},
+            "train": {"micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1, "precision": "fp32"},
+            "schedule": {"log_every": 1},
+        }
+        for name, values in sections.items():
+            config[name] = {**config[name], **values}
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    return write

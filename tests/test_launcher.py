@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,21 +31,9 @@ def processes_mentioning(text: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
-def test_killing_the_launcher_stops_torchrun_and_workers(tmp_path, tiny_target_dir):
-    rows = [{"id": str(i), "text": " ".join(f"word{j}" for j in range(i, i + 40))} for i in range(40)]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = tmp_path / "run-launcher-test"
-    config = {
-        "target": str(tiny_target_dir),
-        "output_dir": str(run),
-        "deepspeed": str(ROOT / "configs/deepspeed/zero1.json"),
-        "heads": {"kind": "eagle", "draft_vocab_size": 256},
-        "data": {"sources": [str(tmp_path / "texts.jsonl")], "max_length": 48, "heldout_fraction": 0.1},
-        "train": {"max_steps": 100000, "micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1},
-        "schedule": {"save_every": 100000, "eval_every": 100000, "log_every": 1},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+def test_killing_the_launcher_stops_torchrun_and_workers(tmp_path, text_run):
+    path = text_run(train={"max_steps": 100000}, schedule={"save_every": 100000, "eval_every": 100000})
+    run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "selfdraft.scripts.cli", "train", "--config", str(path), "--nproc", "1"],

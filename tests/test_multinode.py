@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from selfdraft.errors import UserError
 from selfdraft.training.distributed import slurm_env
@@ -33,20 +32,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_nodes_with_node_local_folders_train_one_run(tmp_path, tiny_target_dir):
-    rows = [{"id": str(i), "text": " ".join(f"w{(3 * i + j) % 60}" for j in range(40))} for i in range(40)]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "target": str(tiny_target_dir),
-        "output_dir": str(tmp_path / "unused"),
-        "deepspeed": str(ROOT / "configs/deepspeed/zero1.json"),
-        "heads": {"kind": "eagle", "draft_vocab_size": 256},
-        "data": {"sources": [str(tmp_path / "texts.jsonl")], "max_length": 40, "heldout_fraction": 0.1},
-        "train": {"max_steps": 4, "micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1, "precision": "fp32"},
-        "schedule": {"save_every": 4, "eval_every": 4, "log_every": 1, "eval_examples": 4},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+def test_two_nodes_with_node_local_folders_train_one_run(tmp_path, text_run):
+    path = text_run(
+        train={"max_steps": 4}, schedule={"save_every": 4, "eval_every": 4, "eval_examples": 4}
+    )
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     nodes = []

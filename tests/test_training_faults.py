@@ -13,34 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from selfdraft.training import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def write_run(tmp_path: Path, target: Path, lr: float, steps: int) -> Path:
-    rows = [{"id": str(i), "text": " ".join(f"w{(i * 7 + j) % 50}" for j in range(40))} for i in range(30)]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "target": str(target),
-        "output_dir": str(tmp_path / "run"),
-        "deepspeed": str(ROOT / "configs/deepspeed/zero1.json"),
-        "heads": {"kind": "eagle", "draft_vocab_size": 256},
-        "data": {"sources": [str(tmp_path / "texts.jsonl")], "max_length": 40, "heldout_fraction": 0.1},
-        "train": {"max_steps": steps, "micro_batch_size": 2, "lr": lr, "warmup_steps": 0, "precision": "fp32"},
-        "schedule": {"save_every": 1, "eval_every": 1000, "log_every": 1},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def train(config: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "selfdraft.training.train", "--config", str(config), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_non_finite_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path):
@@ -108,23 +84,15 @@ def test_checkpoint_bytes_counts_every_parameter():
 
 
 @pytest.mark.slow
-def test_two_rank_zero3_run_is_killed_and_resumes(tmp_path, tiny_target_dir):
+def test_two_rank_zero3_run_is_killed_and_resumes(tmp_path, text_run):
     """ZeRO-3 with 2 ranks: collective evaluation and saving run, a kill -9 of the whole job loses at
     most one checkpoint interval, and the resumed job finishes without skipping or repeating a step."""
-    rows = [{"id": str(i), "text": " ".join(f"w{(5 * i + j) % 70}" for j in range(40))} for i in range(40)]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     steps = 24
-    config = {
-        "target": str(tiny_target_dir),
-        "output_dir": str(tmp_path / "run"),
-        "deepspeed": str(ROOT / "configs/deepspeed/zero3.json"),
-        "heads": {"kind": "eagle", "draft_vocab_size": 256},
-        "data": {"sources": [str(tmp_path / "texts.jsonl")], "max_length": 40, "heldout_fraction": 0.1},
-        "train": {"max_steps": steps, "micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1, "precision": "fp32"},
-        "schedule": {"save_every": 3, "eval_every": 3, "log_every": 1, "eval_examples": 4},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = text_run(
+        stage=3,
+        train={"max_steps": steps},
+        schedule={"save_every": 3, "eval_every": 3, "eval_examples": 4},
+    )
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -11,19 +11,18 @@ Layout of output_dir:
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
-import os
 import shutil
-import socket
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import torch
 
 from selfdraft.errors import UserError
 from selfdraft.heads.folder import save_heads
+from selfdraft.training import locks
 
 RUN_FILE = "run.json"
 
@@ -180,23 +179,8 @@ def save_with_space_check(save, output_dir: Path, tag: str, needed: int) -> None
 WRITER_LOCK = "writer.lock"
 
 
-def hold_run_lock(output_dir: Path):
+def hold_run_lock(output_dir: Path) -> IO:
     """Make this process the run folder's only writer for as long as it lives; returns the open lock
     file (keep a reference). A second live writer (a `--resume` while the first run still trains) is
-    refused with the holder named; the lock dies with its process, so a crash never leaves it stale."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    fh = open(output_dir / WRITER_LOCK, "a+")  # noqa: SIM115 - held open until the process exits
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = fh.read().strip() or "another process"
-        fh.close()
-        raise UserError(
-            f"{output_dir} is being written by {holder}; stop that run first, or use another output_dir"
-        ) from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    fh.flush()
-    return fh
+    refused with the holder named."""
+    return locks.acquire(output_dir / WRITER_LOCK, wait=False, what=str(output_dir))

@@ -121,6 +121,16 @@ class RunConfig:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _eagle3_layers_shaped(layers: list[int]) -> bool:
+    """Three distinct ascending layer inputs, none the embeddings (the depth is checked on the target)."""
+    return len(layers) == EAGLE3_FEATURE_LAYERS and layers[0] >= 1 and layers == sorted(set(layers))
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
 def _check_layout(config: RunConfig) -> None:
     """heads.layout and what it rules out, as far as the file alone tells (`resolve_for_target` does
     the rest once the target's depth is known)."""
@@ -147,7 +157,7 @@ def _check_layout(config: RunConfig) -> None:
         )
     if h.feature_layers is not None:
         layers = h.feature_layers
-        if len(layers) != EAGLE3_FEATURE_LAYERS or layers[0] < 1 or layers != sorted(set(layers)):
+        if not _eagle3_layers_shaped(layers):
             raise ConfigError(
                 f"heads.feature_layers: {layers} with heads.layout: eagle3, whose heads fuse three distinct "
                 "target layers, written as output_hidden_states indices in ascending order within 1..L-1 "
@@ -191,7 +201,7 @@ def resolve_for_target(config: RunConfig, target_config) -> RunConfig:
     depth, vocab = text.num_hidden_layers, text.vocab_size
     given = h.feature_layers is not None
     layers = list(h.feature_layers) if given else eagle3_default_layers(depth)
-    if layers != sorted(set(layers)) or len(layers) != EAGLE3_FEATURE_LAYERS or layers[0] < 1:
+    if not _eagle3_layers_shaped(layers):
         what = f"heads.feature_layers {layers}" if given else f"EAGLE-3's default {{2, L//2, L-3}} = {layers}"
         raise ConfigError(
             f"heads.layout: eagle3 on a target of {depth} layers: {what} are not three distinct ascending "
@@ -220,10 +230,7 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     config = build_dataclass(RunConfig, raw)
     if config.heads.kind not in ("eagle", "medusa"):
         raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
-    if config.train.precision not in PRECISIONS:
-        raise ConfigError(
-            f"train.precision: {config.train.precision!r} is not one of {', '.join(PRECISIONS)}"
-        )
+    _check_precision(config.train.precision)
     _check_layout(config)
     if config.heads.layout == "eagle3" and config.heads.feature_layers is None:
         # what `selfdraft prepare` caches must already be these layers: resolve them from the target
@@ -237,8 +244,7 @@ def resolve_precision(precision: str, device: torch.device | str) -> torch.dtype
     auto: bfloat16 on CUDA GPUs that support it (Ampere and later) and on CPUs that multiply bf16
     natively (AVX512-BF16 / AMX / Arm BF16); float32 elsewhere (an AVX2-only CPU emulates bf16,
     slower than float32)."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"train.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    _check_precision(precision)
     if precision == "auto":
         cuda = torch.device(device).type == "cuda"
         native = torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16()

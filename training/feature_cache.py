@@ -18,10 +18,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfdraft.errors import MissingFileError, UserError
+from selfdraft.training import locks
 
 INDEX_FILE = "index.json"
 CACHE_VERSION = 2  # 2: no stored target top-k
@@ -169,31 +168,8 @@ def cache_hidden_states(
             raise UserError(f"{out_dir} holds a cache of other data or layers; use a new feature_cache folder")
     else:
         index_path.write_text(json.dumps(index, indent=1))
-    with _writer_lock(out_dir):
+    with locks.held(out_dir / "writer.lock", wait=False, what=str(out_dir)):  # one filler per cache
         return _fill_shards(model, dataset, out_dir, index, lengths, layers, batch_size)
-
-
-@contextmanager
-def _writer_lock(out_dir: Path):
-    """One writer per cache: a second process filling the same shards would race on them."""
-    lock = out_dir / "writer.lock"
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        pid = lock.read_text().strip() or "?"
-        alive = pid.isdigit() and Path(f"/proc/{pid}").exists()
-        if alive:
-            raise RuntimeError(
-                f"{out_dir} is being filled by process {pid}; wait for it or stop it"
-            ) from None
-        lock.unlink()  # left by a killed writer
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
 
 
 def _fill_shards(model, dataset, out_dir: Path, index: dict, lengths, layers, batch_size):

@@ -6,15 +6,14 @@ under data.feature_cache, and both are reused by later runs and by every rank of
 
 from __future__ import annotations
 
-import fcntl
 import json
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
 
 from selfdraft.errors import UserError
+from selfdraft.training import locks
 from selfdraft.training.config import RunConfig
 from selfdraft.training.dataset import build_dataset, rows_to_dataset
 from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
@@ -47,18 +46,6 @@ def _load_split(folder: Path) -> datasets.Dataset:
     return datasets.load_from_disk(str(folder))
 
 
-@contextmanager
-def _exclusive(lock_path: Path):
-    """One writer at a time per run folder (a second `selfdraft prepare` waits, then reuses)."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def prepare_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
     """The run's (train, heldout) splits, built once under output_dir/data and reused.
 
@@ -68,7 +55,8 @@ def prepare_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, data
     """
     root = Path(config.output_dir) / DATA_DIR
     fingerprint = _split_fingerprint(config, tokenizer)
-    with _exclusive(Path(config.output_dir) / (DATA_DIR + ".lock")):
+    # one builder at a time per run folder: a second waits, then reuses what the first built
+    with locks.held(Path(config.output_dir) / (DATA_DIR + ".lock"), wait=True, what=str(root)):
         if (root / SPLIT_FINGERPRINT).is_file():
             found = json.loads((root / SPLIT_FINGERPRINT).read_text())
             if found != fingerprint:

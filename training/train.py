@@ -91,7 +91,7 @@ def _check_init_from(config: RunConfig, heads, target) -> None:
 
 def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
     h = config.heads
-    resolve_for_target(config, target.config)
+    resolve_for_target(config, target.config)  # idempotent: `main` resolved it already
     if h.init_from:
         heads = load_heads(h.init_from, target)
         _check_init_from(config, heads, target)
