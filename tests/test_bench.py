@@ -60,9 +60,9 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
         "selfdraft:none": "bfloat16",
         "selfdraft:none:chain-2": "bfloat16",
     }
-    for r in spec:  # every phase of a step is timed, and they add up to less than the whole run
-        phases = [r[f"{phase}_ms_per_step"] for phase in ("draft", "verify", "accept", "compact", "observe", "other")]
-        assert all(v >= 0 for v in phases) and r["decode_ms_per_token"] > 0
+    for r in spec:  # every phase of a step is timed (only the leftover "other" may round to 0)
+        timed = [r[f"{phase}_ms_per_step"] for phase in ("draft", "verify", "accept", "compact", "observe")]
+        assert all(v > 0 for v in timed) and r["other_ms_per_step"] >= 0 and r["decode_ms_per_token"] > 0
     table = (out / "bench.md").read_text()
     main, _, phase_table = table.partition("Step phases")
     rows = [line for line in main.splitlines() if line.startswith("| ")]
