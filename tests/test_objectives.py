@@ -160,3 +160,46 @@ def test_count_tokens_counts_loss_masked_tokens_only():
     assert count_tokens(rows, 5).tolist() == [1, 0, 2, 2, 0]
     assert count_tokens(datasets.Dataset.from_list(rows), 5).tolist() == [1, 0, 2, 2, 0]
     assert count_tokens(datasets.Dataset.from_list(rows).select([]), 5).tolist() == [0] * 5
+
+
+# ------------------------------------------------------------------------- EAGLE-3 out-of-vocab mask
+
+
+def test_out_of_draft_vocab_positions_get_no_loss_but_count_as_misses():
+    """With mask_out_of_vocab, a position whose target greedy token the draft vocabulary lacks adds
+    nothing to the loss (same loss as masking it out of the data by hand) and still scores as a miss."""
+    from selfdraft.heads import HeadsConfig, build_heads
+    from selfdraft.training.steps import eagle_step
+
+    from tiny_models import tiny_target
+
+    torch.manual_seed(0)
+    target = tiny_target()
+    V = target.config.vocab_size
+    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle", draft_vocab_size=V // 2))
+    heads.attach(target)
+    ids = torch.randint(0, V, (2, 16))
+    with torch.no_grad():
+        hidden = list(target(ids, output_hidden_states=True).hidden_states)
+        greedy = (hidden[-1][:, 1:] @ target.lm_head.weight.T).argmax(-1)  # [B, n] predicts x_{i+2}
+    # a draft vocabulary holding exactly the odd target ids
+    d2t = torch.arange(1, V, 2)[: V // 2] - torch.arange(V // 2)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[1::2] = True
+    heads.draft_vocab.set_maps(d2t, t2d)
+    oov = greedy % 2 == 0
+    assert 0 < int(oov[:, :-1].sum()) < oov[:, :-1].numel()
+    kwargs = dict(ttt_steps=2, ttt_decay=0.8, feature_weight=0.1, ce_weight=1.0)
+    masked = eagle_step(heads, ids, torch.ones_like(ids), hidden, target.lm_head.weight,
+                        mask_out_of_vocab=True, **kwargs)  # fmt: skip
+    by_hand_mask = torch.ones_like(ids)
+    by_hand_mask[:, 2:] = (~oov[:, :-1]).long()
+    by_hand = eagle_step(heads, ids, by_hand_mask, hidden, target.lm_head.weight, **kwargs)
+    unmasked = eagle_step(heads, ids, torch.ones_like(ids), hidden, target.lm_head.weight, **kwargs)
+    assert masked.loss.item() == pytest.approx(by_hand.loss.item(), rel=1e-5)
+    assert masked.loss.item() != pytest.approx(unmasked.loss.item(), rel=1e-3)
+    assert masked.metrics["out_of_vocab"] == pytest.approx(oov[:, :-1].float().mean().item())
+    # accuracy keeps every position; an out-of-vocabulary greedy token can never rank first
+    depth1 = masked.depths[0]
+    assert depth1.valid[:, :-1].all()
+    assert (depth1.ranks[oov] > 0).all()

@@ -70,6 +70,8 @@ class TrainSection:
     # drops the feature loss: its head's output is a pre-norm state, not the target's feature)
     feature_weight: float | None = None
     ce_weight: float = 1.0  # soft CE / forward KL against the target's distribution
+    # EAGLE only, with a draft vocabulary: no loss where the target's greedy token is outside it (EAGLE-3)
+    mask_out_of_vocab: bool = True
     medusa_decay: float = 0.8
     medusa_hard_labels: bool = False  # CE on the text tokens (Medusa-1) instead of the target's distribution
     seed: int = 0
@@ -118,6 +120,8 @@ class RunConfig:
         if heads["layout"] == "selfdraft" and heads["fc_bias"]:
             # the defaults of keys added later: runs started before them keep their fingerprint
             del heads["layout"], heads["fc_bias"]
+        if not data["train"]["mask_out_of_vocab"]:
+            del data["train"]["mask_out_of_vocab"]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -98,9 +98,14 @@ def eagle_step(
     feature_weight: float,
     ce_weight: float,
     exact_labels: bool = False,
+    mask_out_of_vocab: bool = False,
 ) -> StepOutput:
     """input_ids, loss_mask: [B, T]; hidden: the target's output_hidden_states as a list of [B, T, h]
-    (None for layers not needed); hidden[-1] (post-norm, the target's logits come from it) is required."""
+    (None for layers not needed); hidden[-1] (post-norm, the target's logits come from it) is required.
+
+    mask_out_of_vocab (EAGLE-3): with a reduced draft vocabulary, positions whose target greedy token
+    lies outside it get no loss; the renormalized label there would teach the head a token the target
+    does not pick. It needs the greedy token over the full vocabulary, so it implies exact labels."""
     f = heads.fuse_features(hidden)  # [B, T, h]
     last = hidden[-1]
     B, T = input_ids.shape
@@ -114,21 +119,29 @@ def eagle_step(
     valid[:, :-1] = loss_mask[:, 2:].bool()
     positions = torch.arange(n, device=input_ids.device)[None].expand(B, n)
     weights = ttt_weights(ttt_steps, ttt_decay)
+    vocab = heads.draft_vocab
+    masking = mask_out_of_vocab and vocab is not None
     with torch.no_grad():
-        greedy = _greedy_target_ids(labels, feature_targets, heads, lm_head_weight, exact_labels)
+        greedy = _greedy_target_ids(labels, feature_targets, heads, lm_head_weight, exact_labels or masking)
         target_probs = torch.softmax(labels.float(), dim=-1)
+        if masking:
+            in_vocab = vocab.t2d[greedy]  # [B, n]
+            metrics_oov = float((~in_vocab & valid).sum()) / max(1, int(valid.sum()))
+    # the loss skips out-of-vocabulary positions; the accuracy metrics keep them, as misses
+    trained = valid & in_vocab if masking else valid
     cache = kv.new_cache() if ttt_steps > 1 else None
     loss = torch.zeros((), device=input_ids.device)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"out_of_vocab": metrics_oov} if masking else {}
     hits = []
     feats = f_in
     for j in range(ttt_steps):
         mask = ttt_mask(n, j, f.dtype, input_ids.device)
         out = heads(tokens, feats, position_ids=positions, attention_mask=mask, cache=cache)
         logits = heads.logits(out)
-        v = valid.clone()
+        v, t = valid.clone(), trained.clone()
         v[:, :j] = False
-        terms = eagle_loss(out, feature_targets, logits, target_probs, v, feature_weight, ce_weight)
+        t[:, :j] = False
+        terms = eagle_loss(out, feature_targets, logits, target_probs, t, feature_weight, ce_weight)
         loss = loss + weights[j] * terms.loss
         metrics[f"ce_{j}"] = float(terms.ce.detach())
         with torch.no_grad():

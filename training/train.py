@@ -177,6 +177,7 @@ def run_step(
             "ttt_decay": t.ttt_decay,
             "feature_weight": t.feature_weight,
             "ce_weight": t.ce_weight,
+            "mask_out_of_vocab": t.mask_out_of_vocab,
         }
     return model(
         batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, exact_labels=exact_labels, **kwargs
