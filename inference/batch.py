@@ -5,15 +5,16 @@ The loop is `decoding.speculative_generate` for B rows at once:
     prefill  one target pass over the right-padded prompts [B, P]; row b's pad slots (P > len_b) are
              masked for every real query, so they are never read again (the next compaction drops them)
     loop:
-    draft    per row, with its own drafter (its own head state and KV cache): B small head passes
+    draft    all rows' trees grow in lockstep (`tree.drive_rows`): an EAGLE head runs once per depth over
+             every row's frontier, with one head KV cache holding every row (`drafting.EagleRows`)
     verify   ONE target pass over tokens [B, N], N = the step's largest tree; smaller trees are padded
              with dummy nodes that see only themselves and that no real node sees
     accept   per row, with its own generator: each row accepts its own prefix of its own tree
     compact  per row: keep [0, len_b) + the accepted path, then re-pad to the longest row
     drop     rows that finished (stop token, budget, context) leave the batch and the cache
 
-The shared target pass is the main cost a batch saves (its weights are read once per step for all
-rows); drafting and acceptance still run row by row in Python.
+The shared passes are what a batch saves (the target's and the head's weights are read once per
+step for all rows); acceptance still runs row by row.
 
 Cache layout, an invariant between steps: row b's valid keys/values are the physical slots
 [0, len_b) of every layer ([B, H, L, d], L = max len_b); slots [len_b, L) hold filler that no query
@@ -49,9 +50,9 @@ from selfdraft.inference.decoding import (
     first_token,
     tree_that_fits,
 )
-from selfdraft.inference.drafting import make_drafter
+from selfdraft.inference.drafting import make_rows_drafter
 from selfdraft.target import max_context
-from selfdraft.tree import TreeShape, TreeSpec, ancestor_matrix, float_mask
+from selfdraft.tree import TreeShape, TreeSpec, ancestor_matrix, drive_rows, float_mask
 
 PROTOCOL = ("observe", "begin", "children", "feed", "end")
 
@@ -96,7 +97,6 @@ def row_seeds(seed, n: int) -> list[int | None]:
 @dataclass
 class _Row:
     index: int  # position in the caller's list
-    drafter: object
     generator: torch.Generator | None
     stops: set[int]
     max_new_tokens: int
@@ -116,18 +116,20 @@ class _Row:
         self.context.extend(new)
 
 
-def _row_drafters(heads, n: int) -> list:
-    """One drafter per row: heads modules get a fresh drafter each; a sequence of n drafter objects
-    (tests) is used as given. A single drafter object cannot serve several rows (it holds state)."""
+def _rows_drafter(heads, n: int):
+    """The batch drafter: from a heads module, or from a list of one drafter object per prompt (tests).
+    A single drafter object cannot serve several rows (it holds state)."""
     if isinstance(heads, list | tuple):
         if len(heads) != n:
             raise UserError(f"{len(heads)} drafters for {n} prompts; pass one drafter per prompt")
-        return [make_drafter(h) for h in heads]
-    if n > 1 and all(callable(getattr(heads, name, None)) for name in PROTOCOL):
-        raise UserError(
-            "one drafter object cannot draft for several rows; pass a list of one drafter per prompt"
-        )
-    return [make_drafter(heads) for _ in range(n)]
+        return make_rows_drafter(list(heads), n)
+    if all(callable(getattr(heads, name, None)) for name in PROTOCOL):
+        if n > 1:
+            raise UserError(
+                "one drafter object cannot draft for several rows; pass a list of one drafter per prompt"
+            )
+        return make_rows_drafter([heads], 1)
+    return make_rows_drafter(heads, n)
 
 
 def _split(hidden_states: tuple[torch.Tensor, ...], b: int) -> tuple[torch.Tensor, ...]:
@@ -245,8 +247,8 @@ def batched_speculative_generate(
 
     heads: a heads module (one drafter per row is made from it) or a list of one drafter per prompt.
     seeds: one per row (see `row_seeds`); sampling.seed is ignored. Each row's stats count the shared
-    passes it took part in; verify_time / compact_time / prefill_time are those shared passes' wall
-    time, total_time is the wall time until that row finished.
+    passes it took part in; draft_time / verify_time / compact_time / prefill_time are those shared
+    passes' wall time, total_time is the wall time until that row finished.
     """
     check_request(acceptance, max_new_tokens)
     if not prompts:
@@ -263,11 +265,10 @@ def batched_speculative_generate(
     stops = set(int(t) for t in stop_token_ids)
     pad_id = 0  # any id in the vocabulary: pad slots and dummy nodes are masked
     device = prompts[0].device
-    drafters = _row_drafters(heads, n)
+    drafter = _rows_drafter(heads, n)
     rows = [
         _Row(
             index=i,
-            drafter=drafters[i],
             generator=replace(sampling, seed=seeds[i]).make_generator(device),
             stops=stops,
             max_new_tokens=max_new_tokens,
@@ -291,13 +292,13 @@ def batched_speculative_generate(
         if not row.done:
             next_tokens = torch.cat([p[1:], torch.tensor([row.root], device=device)])
             t0 = time.perf_counter()
-            row.drafter.observe(
-                next_tokens, _split(passed.hidden_states, b), torch.arange(p.numel(), device=device)
+            drafter.observe(
+                b, next_tokens, _split(passed.hidden_states, b), torch.arange(p.numel(), device=device)
             )
             row.stats.observe_time += time.perf_counter() - t0
     del passed
     # Drop rows done after the first token; the others keep [0, len_b) (pad slots go).
-    rows = _retire(rows, cache, kv.cache_length(cache), [[] for _ in rows], finished, start)
+    rows = _retire(rows, cache, drafter, kv.cache_length(cache), [[] for _ in rows], finished, start)
 
     while rows:
         shapes = [tree_that_fits(spec, row.length, limit) for row in rows]
@@ -305,14 +306,13 @@ def batched_speculative_generate(
             for row, s in zip(rows, shapes, strict=True):
                 if s is None:
                     row.done, row.stats.finish_reason = True, "context"
-            rows = _retire(rows, cache, kv.cache_length(cache), [[] for _ in rows], finished, start)
+            rows = _retire(rows, cache, drafter, kv.cache_length(cache), [[] for _ in rows], finished, start)
             continue
-        trees = []
-        for row, shape in zip(rows, shapes, strict=True):
-            t0 = time.perf_counter()
-            tree, tokens = shape.draft(row.drafter, row.root, row.context)
-            trees.append((tree, tokens))
-            row.stats.draft_time += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trees = drive_rows([s.grow(row.root, row.context) for row, s in zip(rows, shapes, strict=True)], drafter)
+        draft = time.perf_counter() - t0
+        for row in rows:
+            row.stats.draft_time += draft
         physical = kv.cache_length(cache)
         t0 = time.perf_counter()
         passed = _verify_trees(target, cache, trees, [row.length for row in rows], pad_id, device)
@@ -339,12 +339,12 @@ def batched_speculative_generate(
             row.emit(new)
             if not row.done:
                 t3 = time.perf_counter()
-                row.drafter.observe(torch.tensor(new), hidden, torch.tensor(path, device=device))
+                drafter.observe(b, torch.tensor(new), hidden, torch.tensor(path, device=device))
                 row.stats.observe_time += time.perf_counter() - t3
             row.root = result.next_token
         del passed
         t0 = time.perf_counter()
-        rows = _retire(rows, cache, physical, paths, finished, start)
+        rows = _retire(rows, cache, drafter, physical, paths, finished, start)
         compact = time.perf_counter() - t0
         for row in rows:
             row.stats.compact_time += compact
@@ -352,9 +352,9 @@ def batched_speculative_generate(
 
 
 def _retire(
-    rows: list[_Row], cache, physical: int, paths: list[list[int]], finished: dict[int, _Row], start: float
+    rows: list[_Row], cache, drafter, physical: int, paths: list[list[int]], finished: dict[int, _Row], start: float
 ) -> list[_Row]:
-    """Move done rows to `finished` and compact the cache to the rows still going."""
+    """Move done rows to `finished`; compact the target's cache and the drafter to the rows still going."""
     keep = []
     for b, row in enumerate(rows):
         if row.done:
@@ -363,6 +363,7 @@ def _retire(
         else:
             keep.append(b)
     new_lengths = _compact_rows(cache, physical, keep, [row.length for row in rows], paths)
+    drafter.retire(keep)
     alive = [rows[b] for b in keep]
     for row, length in zip(alive, new_lengths, strict=True):
         row.length = length

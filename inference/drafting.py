@@ -9,10 +9,15 @@ decoding loop:
         the target's features at P positions whose next token is now known (prefill or accepted path)
 
 Children are the head's top-k by draft probability (deterministic picks, see `selfdraft.tree`).
+
+Batched generation drafts B rows at once through the `selfdraft.tree.RowsDrafter` protocol (plus
+`observe(row, ...)` and `retire(keep)`): `EagleRows` runs the EAGLE head once per tree depth over
+every row's frontier; `PerRow` serves each row with its own single drafter (Medusa, test drafters).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +27,7 @@ from selfdraft.errors import UserError
 from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.foreign.modules import ForeignEagleHead
 from selfdraft.heads.medusa import MedusaHeads
-from selfdraft.tree import Grown, additive_mask
+from selfdraft.tree import Begin, Children, Feed, Grown, float_mask
 
 
 def ranked_children(logits: torch.Tensor, k: int, heads) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,77 +86,229 @@ class MedusaDrafter:
         self.ranked = None
 
 
-class EagleDrafter:
-    """Runs the EAGLE head depth by depth on its own predicted features, with its own KV cache.
+class EagleRows:
+    """The EAGLE head drafting B rows' trees at once: one head pass per tree depth over all frontiers.
 
-    The head consumes pairs (x_{i+1}, f_i) at position i. Pending pairs (known tokens with the
-    target's features) are consumed when a tree begins; tree nodes are then fed with their parent's
-    predicted feature under an ancestor mask, and cropped from the head's cache when the tree ends.
+    The head consumes pairs (x_{i+1}, f_i) at position i. A row's pending pairs (known tokens with the
+    target's features, from `observe`) are consumed when its tree begins; tree nodes are then fed
+    their parent's predicted feature under an ancestor mask, and cropped when the trees end.
+
+    Head cache layout, an invariant between trees: row b's pairs fill physical slots [0, lengths[b])
+    of the head's cache [B, H, L, d], L = max lengths; slots past lengths[b] hold filler no real query
+    sees. Pending pairs and tree nodes are appended in blocks padded to the widest row; a pad query
+    sees only its own slot (a finite softmax, output unused). After the pending pairs the cache is
+    re-packed (one gather) so the invariant holds again.
     """
 
-    def __init__(self, heads: EagleHead | ForeignEagleHead) -> None:
+    def __init__(self, heads: EagleHead | ForeignEagleHead, rows: int) -> None:
         self.heads = heads
         self.dtype = heads_dtype(heads)
         self.cache = kv.new_cache()
-        self.pending_tokens: list[torch.Tensor] = []
-        self.pending_features: list[torch.Tensor] = []
-        self.prefix = 0  # head cache length before the current tree's nodes
-        self.fed: list[int] = []  # tree nodes in the head's cache, in cache order
-        self.features: dict[int, torch.Tensor] = {}  # tree node -> the head's predicted feature [h]
+        self.lengths = [0] * rows
+        self.pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(rows)]
+        self.tree_start: int | None = None  # cache length before the current trees' nodes
+        self.slots: list[dict[int, int]] = []  # per row: tree node -> physical slot
+        self.features: list[dict[int, torch.Tensor]] = []  # per row: tree node -> predicted feature [h]
 
     def observe(
-        self, next_tokens: torch.Tensor, hidden_states: Sequence[torch.Tensor], positions: torch.Tensor
+        self, row: int, next_tokens: torch.Tensor, hidden_states: Sequence[torch.Tensor], positions: torch.Tensor
     ) -> None:
+        """The target's features of batch row `row` (hidden_states: that row's, each [1, n, h]) at
+        `positions` [P], whose next tokens `next_tokens` [P] are now known (prefill or accepted path)."""
         # Slice only the layers the head reads; the others stay untouched (None).
         sliced: list[torch.Tensor | None] = [None] * len(hidden_states)
         for layer in self.heads.config.feature_layers:
             sliced[layer] = hidden_states[layer][:, positions].to(self.dtype)
-        self.pending_tokens.append(next_tokens.reshape(-1))
-        self.pending_features.append(self.heads.fuse_features(sliced)[0])
+        self.pending[row].append((next_tokens.reshape(-1), self.heads.fuse_features(sliced)[0]))
+
+    def _append(
+        self,
+        tokens: list[list[int]],
+        inputs: list[list[torch.Tensor]],
+        positions: list[int],
+        causal: bool,
+        ancestors: list[tuple[int, int, int]] = (),
+    ) -> torch.Tensor:
+        """One head pass over a block of per-row queries padded to the widest row; returns [B, m, h].
+
+        Real query i of row b sees its row's pairs [0, lengths[b]), its own new slot, with `causal` its
+        row's earlier queries in the block, and the cached slot s of every (b, i, s) in `ancestors`.
+        positions[b]: the position of row b's first query (causal) or of all its queries."""
+        rows, width = len(tokens), kv.cache_length(self.cache)
+        m = max(len(t) for t in tokens)
+        first = next(v[0] for v in inputs if v)
+        ids = torch.zeros(rows, m, dtype=torch.long)
+        x = first.new_zeros(rows, m, first.shape[-1])
+        step = torch.arange(m) if causal else torch.zeros(m, dtype=torch.long)
+        pos = torch.tensor(positions)[:, None] + step
+        allowed = torch.zeros(rows, m, width + m, dtype=torch.bool)
+        allowed[:, :, width:] = torch.eye(m, dtype=torch.bool)  # own slot (a pad query's only one)
+        for b in range(rows):
+            n = len(tokens[b])
+            if not n:
+                continue
+            ids[b, :n] = torch.tensor(tokens[b])
+            x[b, :n] = torch.stack(inputs[b])
+            allowed[b, :n, : self.lengths[b]] = True
+            if causal:
+                allowed[b, :n, width : width + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        for b, i, slot in ancestors:
+            allowed[b, i, slot] = True
+        return self.heads(
+            ids.to(first.device),
+            x,
+            position_ids=pos.to(first.device),
+            attention_mask=float_mask(allowed.to(first.device), self.dtype)[:, None],
+            cache=self.cache,
+        )
 
     @torch.no_grad()
-    def begin(self, root_token: int, max_depth: int) -> None:
-        """Feed the pending pairs; the last one predicts the root's feature."""
-        tokens = torch.cat(self.pending_tokens)[None]
-        feats = torch.cat(self.pending_features)[None]
-        self.pending_tokens, self.pending_features = [], []
+    def begin(self, requests: dict[int, Begin]) -> None:
+        """Every row begins a tree together: its pending pairs are fed causally after its cached
+        pairs, and the last one predicts the feature of its root."""
+        rows = len(self.lengths)
+        if sorted(requests) != list(range(rows)):
+            raise ValueError(f"every one of the {rows} rows must begin a tree together")
+        tokens = [torch.cat([t for t, _ in p]).tolist() for p in self.pending]
+        feats = [list(torch.cat([f for _, f in p]).unbind(0)) for p in self.pending]
+        self.pending = [[] for _ in range(rows)]
         start = kv.cache_length(self.cache)
-        n = tokens.shape[1]
-        out = self.heads(
-            tokens,
-            feats,
-            position_ids=torch.arange(start, start + n)[None],
-            attention_mask=additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), start, feats.dtype),
-            cache=self.cache,
-        )
-        self.prefix = start + n
-        self.fed = []
-        self.features = {0: out[0, -1]}
+        counts = [len(t) for t in tokens]
+        out = self._append(tokens, feats, self.lengths, causal=True)
+        new = [length + count for length, count in zip(self.lengths, counts, strict=True)]
+        if any(length != start for length in self.lengths) or len(set(counts)) > 1:
+            # re-pack: row b keeps [0, lengths[b]) and its new pairs, padded with slot 0's filler
+            index = torch.zeros(rows, max(new), dtype=torch.long)
+            for b, length in enumerate(self.lengths):
+                index[b, :length] = torch.arange(length)
+                index[b, length : new[b]] = torch.arange(start, start + counts[b])
+            kv.gather_rows(self.cache, torch.arange(rows), index)
+        self.lengths = new
+        self.tree_start = kv.cache_length(self.cache)
+        self.slots = [{} for _ in range(rows)]
+        self.features = [{0: out[b, counts[b] - 1]} for b in range(rows)]
 
     @torch.no_grad()
-    def children(self, grown: Grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        feats = torch.stack([self.features[u] for u in nodes])
-        return ranked_children(self.heads.logits(feats), k, self.heads)
+    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """One head projection over all requested rows' nodes (grouped by k, so each row's ranking is
+        exactly what it would be alone)."""
+        by_k: dict[int, list[int]] = defaultdict(list)
+        for b, r in requests.items():
+            by_k[r.k].append(b)
+        answers = {}
+        for k, rows in by_k.items():
+            feats = torch.stack([self.features[b][u] for b in rows for u in requests[b].nodes])
+            ids, logq = ranked_children(self.heads.logits(feats), k, self.heads)
+            at = 0
+            for b in rows:
+                n = len(requests[b].nodes)
+                answers[b] = (ids[at : at + n], logq[at : at + n])
+                at += n
+        return answers
 
     @torch.no_grad()
-    def feed(self, grown: Grown, nodes: list[int], depth: int) -> None:
-        """Run the head on depth-`depth` nodes, each fed with its parent's predicted feature."""
-        columns = self.fed + nodes
-        inputs = torch.stack([self.features[grown.parents[c]] for c in nodes])[None]
-        out = self.heads(
-            torch.tensor([grown.tokens[c] for c in nodes])[None],
-            inputs,
-            position_ids=torch.full((1, len(nodes)), self.prefix + depth - 1, dtype=torch.long),
-            attention_mask=additive_mask(grown.ancestors(nodes, columns), self.prefix, inputs.dtype),
-            cache=self.cache,
-        )
-        for row, c in enumerate(nodes):
-            self.features[c] = out[0, row]
-        self.fed = columns
+    def feed(self, requests: dict[int, Feed]) -> None:
+        """One head pass over every row's depth-d nodes: each is fed its parent's predicted feature and
+        sees its row's pairs plus its tree ancestors (the root's pair is the row's last one)."""
+        rows = len(self.lengths)
+        width = kv.cache_length(self.cache)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        inputs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        positions, ancestors = [0] * rows, []
+        for b, r in requests.items():
+            grown = r.grown
+            positions[b] = self.lengths[b] + r.depth - 1
+            for i, u in enumerate(r.nodes):
+                tokens[b].append(grown.tokens[u])
+                inputs[b].append(self.features[b][grown.parents[u]])
+                a = grown.parents[u]
+                while a > 0:
+                    if a in self.slots[b]:
+                        ancestors.append((b, i, self.slots[b][a]))
+                    a = grown.parents[a]
+        out = self._append(tokens, inputs, positions, causal=False, ancestors=ancestors)
+        for b, r in requests.items():
+            for i, u in enumerate(r.nodes):
+                self.slots[b][u] = width + i
+                self.features[b][u] = out[b, i]
 
     def end(self) -> None:
-        kv.crop(self.cache, self.prefix)  # tree entries never outlive the draft
-        self.features = {}
+        if self.tree_start is not None:
+            kv.crop(self.cache, self.tree_start)  # tree entries never outlive the draft
+        self.tree_start = None
+        self.slots, self.features = [], []
+
+    def retire(self, keep: list[int]) -> None:
+        """Only batch rows `keep` (in this order) go on; the others leave the head cache."""
+        if keep == list(range(len(self.lengths))):
+            return
+        self.lengths = [self.lengths[b] for b in keep]
+        self.pending = [self.pending[b] for b in keep]
+        if not keep:
+            self.cache = kv.new_cache()
+        elif kv.cache_length(self.cache):
+            width = max(self.lengths)
+            index = torch.arange(width)[None].expand(len(keep), width)
+            kv.gather_rows(self.cache, torch.tensor(keep, dtype=torch.long), index)
+
+
+class EagleDrafter:
+    """One sequence's EAGLE drafter: `EagleRows` with a single row, behind the one-tree protocol."""
+
+    def __init__(self, heads: EagleHead | ForeignEagleHead) -> None:
+        self.rows = EagleRows(heads, 1)
+
+    @property
+    def cache(self):
+        return self.rows.cache
+
+    def observe(
+        self, next_tokens: torch.Tensor, hidden_states: Sequence[torch.Tensor], positions: torch.Tensor
+    ) -> None:
+        self.rows.observe(0, next_tokens, hidden_states, positions)
+
+    def begin(self, root_token: int, max_depth: int) -> None:
+        self.rows.begin({0: Begin(root_token, max_depth)})
+
+    def children(self, grown: Grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.children({0: Children(grown, nodes, depth, k)})[0]
+
+    def feed(self, grown: Grown, nodes: list[int], depth: int) -> None:
+        self.rows.feed({0: Feed(grown, nodes, depth)})
+
+    def end(self) -> None:
+        self.rows.end()
+
+
+class PerRow:
+    """B single drafters (one per row) behind the batch protocol: each row drafts on its own."""
+
+    def __init__(self, drafters: list) -> None:
+        self.drafters = drafters
+        self.begun: list[int] = []
+
+    def observe(self, row: int, next_tokens, hidden_states, positions) -> None:
+        self.drafters[row].observe(next_tokens, hidden_states, positions)
+
+    def begin(self, requests: dict[int, Begin]) -> None:
+        for b, r in requests.items():
+            self.drafters[b].begin(r.root_token, r.max_depth)
+            self.begun.append(b)
+
+    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {b: self.drafters[b].children(r.grown, r.nodes, r.depth, r.k) for b, r in requests.items()}
+
+    def feed(self, requests: dict[int, Feed]) -> None:
+        for b, r in requests.items():
+            self.drafters[b].feed(r.grown, r.nodes, r.depth)
+
+    def end(self) -> None:
+        for b in self.begun:
+            self.drafters[b].end()
+        self.begun = []
+
+    def retire(self, keep: list[int]) -> None:
+        self.drafters = [self.drafters[b] for b in keep]
 
 
 def make_drafter(heads):
@@ -163,3 +320,13 @@ def make_drafter(heads):
     if isinstance(heads, EagleHead | ForeignEagleHead):
         return EagleDrafter(heads)
     raise TypeError(f"no drafter for {type(heads).__name__}")
+
+
+def make_rows_drafter(heads, rows: int):
+    """The batch drafter for `rows` rows: `EagleRows` for EAGLE heads; a list of per-row drafter objects
+    (or Medusa heads, whose drafting has no head pass to share) goes through `PerRow`."""
+    if isinstance(heads, list | tuple):
+        return PerRow([make_drafter(h) for h in heads])
+    if isinstance(heads, EagleHead | ForeignEagleHead):
+        return EagleRows(heads, rows)
+    return PerRow([make_drafter(heads) for _ in range(rows)])

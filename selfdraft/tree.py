@@ -12,8 +12,13 @@ neither drafters nor the decoding loop ask which kind they hold:
     shape.draft_depth          the deepest node the drafter itself proposes (a looked-up branch can be deeper)
     shape.max_tokens           the most tokens one verification pass can hold (root included)
     shape.limited(depth)       the same kind of shape whose drafter part is at most `depth` deep
-    shape.draft(drafter, root_token, context) -> (TreeSpec, tokens [N])
+    shape.grow(root_token, context) -> a generator of drafter requests that returns (TreeSpec, tokens [N])
+    shape.draft(drafter, root_token, context) -> (TreeSpec, tokens [N]), one drafter serving `grow`
     shape.describe()           a short human description
+
+A shape never calls a drafter itself: `grow` yields what it needs (`Begin`, then `Children` and
+`Feed` requests) and receives the answers, so one drafter can serve one tree (`drive`) or B rows'
+trees at once (`drive_rows`: every depth of every row in one head pass).
 
 Shapes: a `TreeSpec` itself (static: the same tree every step, Medusa `choices` style), a
 `DynamicTree` (EAGLE-2: grow by cumulative draft log-probability, keep the best nodes) and a
@@ -25,7 +30,7 @@ keeps every shape lossless.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
@@ -49,6 +54,105 @@ class Drafter(Protocol):
 
     def end(self) -> None:
         """The tree is drafted; drop any per-tree state."""
+
+
+# ---- what a growing tree asks of its drafter --------------------------------------------------------
+@dataclass(frozen=True)
+class Begin:
+    """Always a growth's first request: start a tree under `root_token`, at most `max_depth` deep."""
+
+    root_token: int
+    max_depth: int
+
+
+@dataclass(frozen=True)
+class Children:
+    """Answer: the k best children of each node, (target ids [n][k], draft log q [n][k]) as lists."""
+
+    grown: Grown
+    nodes: list[int]
+    depth: int
+    k: int
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Make these depth-`depth` nodes expandable; answer None."""
+
+    grown: Grown
+    nodes: list[int]
+    depth: int
+
+
+Request = Begin | Children | Feed
+Growth = Generator[Request, object, tuple["TreeSpec", torch.Tensor]]
+
+
+class RowsDrafter(Protocol):
+    """Serves the requests of B rows' growths at once (row b = batch row b); see `drive_rows`."""
+
+    def begin(self, requests: dict[int, Begin]) -> None: ...
+
+    def children(self, requests: dict[int, Children]) -> dict[int, tuple[list, list]]: ...
+
+    def feed(self, requests: dict[int, Feed]) -> None: ...
+
+    def end(self) -> None: ...
+
+
+def _as_lists(answer: tuple[torch.Tensor, torch.Tensor]) -> tuple[list, list]:
+    ids, logq = answer
+    return (ids.tolist() if torch.is_tensor(ids) else ids, logq.tolist() if torch.is_tensor(logq) else logq)
+
+
+def drive(growth: Growth, drafter: Drafter) -> tuple[TreeSpec, torch.Tensor]:
+    """Serve one growth with one `Drafter`; returns the drafted (TreeSpec, tokens [N])."""
+    first = next(growth)
+    if not isinstance(first, Begin):
+        raise TypeError(f"a growth must start with Begin, not {type(first).__name__}")
+    drafter.begin(first.root_token, first.max_depth)
+    try:
+        answer = None
+        while True:
+            request = growth.send(answer)
+            if isinstance(request, Children):
+                answer = _as_lists(drafter.children(request.grown, request.nodes, request.depth, request.k))
+            else:
+                drafter.feed(request.grown, request.nodes, request.depth)
+                answer = None
+    except StopIteration as done:
+        return done.value
+    finally:
+        drafter.end()
+
+
+def drive_rows(growths: Sequence[Growth], drafter: RowsDrafter) -> list[tuple[TreeSpec, torch.Tensor]]:
+    """Serve B growths in lockstep: every round, all rows' Children requests go to the drafter in one
+    call and all their Feed requests in another, so an EAGLE head runs once per depth for the batch.
+    Returns row b's (TreeSpec, tokens [N_b]) at index b."""
+    requests = {b: next(g) for b, g in enumerate(growths)}
+    if not all(isinstance(r, Begin) for r in requests.values()):
+        raise TypeError("every growth must start with Begin")
+    drafter.begin(requests)
+    results: list = [None] * len(growths)
+    try:
+        answers: dict[int, object] = {b: None for b in requests}
+        while answers:
+            requests = {}
+            for b, answer in answers.items():
+                try:
+                    requests[b] = growths[b].send(answer)
+                except StopIteration as done:
+                    results[b] = done.value
+            asks = {b: r for b, r in requests.items() if isinstance(r, Children)}
+            feeds = {b: r for b, r in requests.items() if isinstance(r, Feed)}
+            answers = {b: _as_lists(a) for b, a in drafter.children(asks).items()} if asks else {}
+            if feeds:
+                drafter.feed(feeds)
+                answers.update(dict.fromkeys(feeds))
+    finally:
+        drafter.end()
+    return results
 
 
 # ---- the concrete tree ------------------------------------------------------------------------------
@@ -177,25 +281,25 @@ class TreeSpec:
         return f"static tree of {self.size - 1} nodes, depth {self.max_depth}"
 
     def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
+        return drive(self.grow(root_token, context), drafter)
+
+    def grow(self, root_token: int, context: Sequence[int] = ()) -> Growth:
         """Fill this fixed tree: node i takes its parent's rank-`ranks[i]` child. Returns (self, tokens [N])."""
         grown = Grown.rooted(root_token)
         node_of = {0: 0}  # this tree's node -> index in `grown`
         frontier = [0] if self.size > 1 else []
-        drafter.begin(root_token, self.max_depth)
-        try:
-            for depth in range(self.max_depth):
-                k = 1 + max(self.ranks[c] for u in frontier for c in self.children[u])
-                ids, logq = drafter.children(grown, [node_of[u] for u in frontier], depth, k)
-                for row, u in enumerate(frontier):
-                    for c in self.children[u]:
-                        r = self.ranks[c]
-                        node_of[c] = grown.add(node_of[u], int(ids[row, r]), float(logq[row, r]), r)
-                frontier = [c for u in frontier for c in self.children[u] if self.children[c]]
-                if not frontier:
-                    break
-                drafter.feed(grown, [node_of[c] for c in frontier], depth + 1)
-        finally:
-            drafter.end()
+        yield Begin(root_token, self.max_depth)
+        for depth in range(self.max_depth):
+            k = 1 + max(self.ranks[c] for u in frontier for c in self.children[u])
+            ids, logq = yield Children(grown, [node_of[u] for u in frontier], depth, k)
+            for row, u in enumerate(frontier):
+                for c in self.children[u]:
+                    r = self.ranks[c]
+                    node_of[c] = grown.add(node_of[u], ids[row][r], logq[row][r], r)
+            frontier = [c for u in frontier for c in self.children[u] if self.children[c]]
+            if not frontier:
+                break
+            yield Feed(grown, [node_of[c] for c in frontier], depth + 1)
         return self, torch.tensor([grown.tokens[node_of[i]] for i in range(self.size)], dtype=torch.long)
 
 
@@ -283,23 +387,23 @@ class DynamicTree:
         return f"dynamic (depth {self.depth}, top-k {self.top_k}, {self.total_tokens} tokens)"
 
     def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
+        return drive(self.grow(root_token, context), drafter)
+
+    def grow(self, root_token: int, context: Sequence[int] = ()) -> Growth:
         grown = Grown.rooted(root_token)
         frontier = [0]
-        drafter.begin(root_token, self.depth)
-        try:
-            for depth in range(self.depth):
-                ids, logq = drafter.children(grown, frontier, depth, self.top_k)
-                new = [
-                    grown.add(u, int(ids[row, r]), float(logq[row, r]), r)
-                    for row, u in enumerate(frontier)
-                    for r in range(ids.shape[1])
-                ]
-                if depth + 1 == self.depth:
-                    break
-                frontier = sorted(new, key=lambda i: -grown.scores[i])[: self.top_k]
-                drafter.feed(grown, frontier, depth + 1)
-        finally:
-            drafter.end()
+        yield Begin(root_token, self.depth)
+        for depth in range(self.depth):
+            ids, logq = yield Children(grown, frontier, depth, self.top_k)
+            new = [
+                grown.add(u, ids[row][r], logq[row][r], r)
+                for row, u in enumerate(frontier)
+                for r in range(len(ids[row]))
+            ]
+            if depth + 1 == self.depth:
+                break
+            frontier = sorted(new, key=lambda i: -grown.scores[i])[: self.top_k]
+            yield Feed(grown, frontier, depth + 1)
         return grown.best(self.total_tokens)
 
 
@@ -345,7 +449,10 @@ class LookupTree:
         return f"{self.base.describe()} + prompt-lookup branch of up to {self.lookup.tokens} tokens"
 
     def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
-        spec, tokens = self.base.draft(drafter, root_token, context)
+        return drive(self.grow(root_token, context), drafter)
+
+    def grow(self, root_token: int, context: Sequence[int] = ()) -> Growth:
+        spec, tokens = yield from self.base.grow(root_token, context)
         return graft_chain(spec, tokens, lookup_continuation(context, self.lookup))
 
 
