@@ -26,7 +26,7 @@ from selfdraft.bench.timing import Timed, run_baseline, run_baseline_batch, run_
 from selfdraft.errors import UserError
 from selfdraft.inference.drafting import heads_dtype
 from selfdraft.inference.model import SHIPPED, SelfDraftModel
-from selfdraft.precision import parse_dtype
+from selfdraft.precision import dtype_name, parse_dtype
 from selfdraft.target import load_target
 
 
@@ -183,9 +183,9 @@ def run_bench(config: BenchConfig) -> dict:
         "prompt_sets": sets,
         "trees": {label: model.tree.describe() for label, model in runner.models.items()},
         "dtypes": {
-            "target": str(runner.target.dtype).removeprefix("torch."),
+            "target": dtype_name(runner.target.dtype),
             **{
-                label: str(heads_dtype(model.heads)).removeprefix("torch.")
+                label: dtype_name(heads_dtype(model.heads))
                 for label, model in runner.models.items()
             },
         },

@@ -13,7 +13,7 @@ from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_hea
 from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.batch import batched_speculative_generate, is_batch, row_seeds
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
-from selfdraft.precision import AUTO, parse_dtype, resolve_draft_dtype
+from selfdraft.precision import AUTO, dtype_name, parse_dtype, resolve_draft_dtype
 from selfdraft.target import load_target
 from selfdraft.tree import TreeShape
 from selfdraft.tree_syntax import TreeLike, resolve_tree
@@ -121,7 +121,7 @@ class SelfDraftModel:
         warn_unapplied_generation_config(target)
 
     def _fitting_tree(self, tree: TreeLike | None) -> TreeShape:
-        shape = resolve_tree(DEFAULT_TREE if tree is None else tree)
+        shape = resolve_tree(DEFAULT_TREE if tree is None else tree, dtype_name(self.target.dtype))
         limit = getattr(self.heads, "max_draft_depth", None)
         if limit is None or shape.draft_depth <= limit:
             return shape
@@ -157,7 +157,7 @@ class SelfDraftModel:
         speed, so bfloat16 heads on a float32 target keep the output exact and draft about twice as fast.
         """
         if tree is not None:
-            resolve_tree(tree)  # a bad tree fails before a long target load
+            resolve_tree(tree, dtype_name(parse_dtype(dtype)))  # a bad tree fails before a long target load
         model, tokenizer = load_target(
             target, attn_implementation=attn_implementation, dtype=parse_dtype(dtype), **target_kwargs
         )

@@ -25,7 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="drop candidates that may verify more tokens than this in one pass",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--out", default=None, help="where to write the tree file (default HEADS/tree.yaml)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="tree file to write this dtype's entry into (default HEADS/tree.yaml; other dtypes' entries stay)",
+    )
     add_precision_arguments(parser)
 
 
@@ -33,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.prompts import load_prompt_set
     from selfdraft.bench.tune import CANDIDATES, score_trees, tree_description
     from selfdraft.inference.model import TREE_FILE, SelfDraftModel
+    from selfdraft.precision import dtype_name
     from selfdraft.tree_syntax import resolve_tree, write_tree_file
 
     model = SelfDraftModel.from_pretrained(
@@ -55,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
         )
     best = scores[0]
     out = Path(args.out) if args.out else Path(args.heads) / TREE_FILE
+    dtype = dtype_name(model.target.dtype)
     write_tree_file(
-        out, resolve_tree(best.tree), tree_description(best), {k: v for k, v in asdict(best).items()}
+        out, resolve_tree(best.tree), tree_description(best), dict(asdict(best)), dtype=dtype
     )
-    print(f"chose {best.tree} -> {out}")
+    print(f"chose {best.tree} for {dtype} -> {out}")
     return 0

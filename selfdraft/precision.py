@@ -26,6 +26,11 @@ DTYPES: dict[str, torch.dtype] = {
 AUTO = "auto"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (the names tree files and reports use)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' (or fp32/bf16/fp16, or a torch.dtype) -> torch.dtype."""
     if isinstance(name, torch.dtype):

@@ -1,9 +1,16 @@
 """Tree shapes written as text: names and strings (`small`, `chain-4`, `dynamic:depth=5,...`,
-`NAME+lookup=K`), rank-path lists, and `tree.yaml` files."""
+`NAME+lookup=K`), rank-path lists, and `tree.yaml` files.
+
+A tree file holds one tree, or one tree per target dtype (`bfloat16:` / `float32:` / `float16:`
+entries, each a one-tree block): the best tree depends on what verification costs, and a bf16 pass
+over 32 tokens costs about what one token does on a CPU with bf16 matrix units, while fp32 pays for
+every token. `selfdraft tune` writes the entry of the dtype it ran in and keeps the others.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +24,9 @@ DYNAMIC_KEYS = {"depth", "top_k", "total_tokens"}
 LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram"}
 LOOKUP_SUFFIX = "+lookup"
 FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured"}
+DTYPE_KEYS = ("bfloat16", "float32", "float16")  # a per-dtype tree file's entries
+
+logger = logging.getLogger(__name__)
 
 
 def _parse_dynamic(text: str) -> DynamicTree:
@@ -33,22 +43,45 @@ def _parse_dynamic(text: str) -> DynamicTree:
     return DynamicTree(**values)
 
 
-def read_tree_file(path: Path) -> TreeShape:
-    """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
-    `lookup: {tokens, max_ngram, min_ngram}` branch, and an optional `description:` / `measured:`
-    block; anything else is rejected."""
+def _load_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as err:
         raise UserError(f"{path}: cannot read the tree file ({err}); fix or remove it") from err
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a tree file is a YAML mapping (keys: {sorted(FILE_KEYS)})")
+    return data
+
+
+def _per_dtype(data: dict) -> bool:
+    return bool(data) and set(data) <= set(DTYPE_KEYS)
+
+
+def read_tree_file(path: Path, dtype: str | None = None) -> TreeShape:
+    """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
+    `lookup: {tokens, max_ngram, min_ngram}` branch, and an optional `description:` / `measured:`
+    block; anything else is rejected. Or such blocks under dtype keys (see the module docstring):
+    `dtype` ("bfloat16", "float32", ...) picks one; without an entry for it (or without `dtype`) the
+    first entry serves, with a warning, since any tree stays lossless."""
+    data = _load_yaml(path)
+    if _per_dtype(data):
+        name = dtype if dtype in data else next(iter(data))
+        if dtype != name:
+            logger.warning("%s has no tree for %s; using its %s tree", path, dtype or "this dtype", name)
+        return _tree_block(f"{path} [{name}]", data[name])
+    return _tree_block(str(path), data)
+
+
+def _tree_block(where: str, data) -> TreeShape:
     if not isinstance(data, dict) or set(data) - FILE_KEYS or ("paths" in data) == ("dynamic" in data):
         raise UserError(
-            f"{path}: a tree file holds exactly one of `paths:` or `dynamic:` (keys: {sorted(FILE_KEYS)})"
+            f"{where}: a tree holds exactly one of `paths:` or `dynamic:` (keys: {sorted(FILE_KEYS)}); a "
+            f"file of one tree per dtype has only {', '.join(DTYPE_KEYS)} entries"
         )
     if "dynamic" in data:
         options = data["dynamic"]
         if not isinstance(options, dict) or set(options) - DYNAMIC_KEYS:
-            raise UserError(f"{path}: `dynamic:` takes {sorted(DYNAMIC_KEYS)}")
+            raise UserError(f"{where}: `dynamic:` takes {sorted(DYNAMIC_KEYS)}")
     try:
         base: TreeSpec | DynamicTree = (
             DynamicTree(**data["dynamic"]) if "dynamic" in data else TreeSpec.from_paths(data["paths"])
@@ -60,7 +93,7 @@ def read_tree_file(path: Path) -> TreeShape:
             raise UserError(f"`lookup:` takes {sorted(LOOKUP_KEYS)}")
         return LookupTree(base, PromptLookup(**options))
     except (TypeError, ValueError) as err:
-        raise UserError(f"{path}: {err}") from err
+        raise UserError(f"{where}: {err}") from err
 
 
 def _shape_fields(tree: TreeShape) -> dict:
@@ -71,18 +104,29 @@ def _shape_fields(tree: TreeShape) -> dict:
     return {"paths": [list(p) for p in tree.paths[1:]]}
 
 
-def write_tree_file(path: Path, tree: TreeShape, description: str = "", measured: dict | None = None):
+def write_tree_file(
+    path: Path, tree: TreeShape, description: str = "", measured: dict | None = None, dtype: str | None = None
+):
+    """Write one tree; with `dtype`, as that dtype's entry of a per-dtype file, keeping the file's
+    other dtypes' entries (a one-tree file it replaces)."""
     data: dict = {"description": description} if description else {}
     data.update(_shape_fields(tree))
     if measured:
         data["measured"] = measured
+    if dtype is not None:
+        if dtype not in DTYPE_KEYS:
+            raise UserError(f"no tree entry for dtype {dtype!r}; use one of {', '.join(DTYPE_KEYS)}")
+        old = _load_yaml(path) if Path(path).is_file() else {}
+        entries = {k: v for k, v in old.items() if k != dtype} if _per_dtype(old) else {}
+        merged = {**entries, dtype: data}
+        data = {k: merged[k] for k in DTYPE_KEYS if k in merged}
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
-def resolve_tree(tree: TreeLike) -> TreeShape:
+def resolve_tree(tree: TreeLike, dtype: str | None = None) -> TreeShape:
     """A TreeSpec, DynamicTree or LookupTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a
-    YAML file with `paths:`, or a list of rank paths; a name may end in `+lookup[=K]` to graft a
-    prompt-lookup branch of up to K tokens on every drafted tree."""
+    tree YAML file (its `dtype` entry, if it has one per dtype), or a list of rank paths; a name may
+    end in `+lookup[=K]` to graft a prompt-lookup branch of up to K tokens on every drafted tree."""
     if isinstance(tree, TreeSpec | DynamicTree | LookupTree):
         return tree
     if not isinstance(tree, str):
@@ -103,7 +147,7 @@ def resolve_tree(tree: TreeLike) -> TreeShape:
         return TreeSpec.chain(int(tree[6:]))
     path = Path(tree)
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        return read_tree_file(path)
+        return read_tree_file(path, dtype)
     raise UserError(
         f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, dynamic:..., "
         "a YAML file, optionally followed by +lookup[=K]"

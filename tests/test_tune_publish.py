@@ -3,7 +3,9 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
+import yaml
 
 from selfdraft.bench.tune import interpolate, score_trees, tree_description
 from selfdraft.heads import HeadsConfig, build_heads, save_heads
@@ -37,6 +39,37 @@ def test_tune_scores_and_saved_tree_is_used(tmp_path, tiny_target_dir):
     write_tree_file(heads_dir / TREE_FILE, resolve_tree(scores[0].tree), tree_description(scores[0]))
     loaded = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=heads_dir)
     assert loaded.tree == resolve_tree(scores[0].tree)
+
+
+def test_tree_file_holds_one_tree_per_dtype(tmp_path, caplog):
+    """tune writes its dtype's entry and keeps the others; the model reads the entry of its target's
+    dtype; a dtype without an entry falls back to the first one, with a warning."""
+    from selfdraft.tree_syntax import read_tree_file
+
+    from tiny_models import tiny_target
+
+    heads_dir = tmp_path / "heads"
+    target = tiny_target()
+    save_heads(build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")), heads_dir)
+    path = heads_dir / TREE_FILE
+    write_tree_file(path, resolve_tree("chain-2"))  # a one-tree file of an older tune: replaced
+    write_tree_file(path, resolve_tree("dynamic:depth=3,top_k=2,total_tokens=6"), "bf16", dtype="bfloat16")
+    write_tree_file(path, resolve_tree("chain-1+lookup=3"), "fp32", dtype="float32")
+    write_tree_file(path, resolve_tree("dynamic:depth=4,top_k=3,total_tokens=12"), "bf16 again", dtype="bfloat16")
+    assert list(yaml.safe_load(path.read_text())) == ["bfloat16", "float32"]
+    assert read_tree_file(path, "float32") == resolve_tree("chain-1+lookup=3")
+    wanted = {torch.bfloat16: "dynamic:depth=4,top_k=3,total_tokens=12", torch.float32: "chain-1+lookup=3"}
+    for dtype, want in wanted.items():
+        model = SelfDraftModel.with_heads(target.to(dtype), None, heads_dir, draft_dtype=None)
+        assert model.tree == resolve_tree(want)
+    with caplog.at_level("WARNING"):
+        assert read_tree_file(path, "float16") == resolve_tree("dynamic:depth=4,top_k=3,total_tokens=12")
+    assert "no tree for float16" in caplog.text
+    with pytest.raises(ValueError, match="dtype"):
+        write_tree_file(path, resolve_tree("chain-1"), dtype="int8")
+    path.write_text("bfloat16: {paths: [[0]]}\nchain: 3\n")  # dtype entries mixed with other keys
+    with pytest.raises(ValueError, match="exactly one of"):
+        read_tree_file(path, "bfloat16")
 
 
 def _fake_run(run: Path, model, steps: int, examples: int, seconds: float) -> None:

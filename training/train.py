@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, load_heads
+from selfdraft.precision import dtype_name
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.batches import SampleStream, collate
@@ -331,7 +332,7 @@ def main(argv=None) -> int:
     resolve_for_target(config, target.config)  # eagle3: default layers / draft vocab, checked on the target
     layers = feature_layers(config, target)
 
-    precision = str(dtype).removeprefix("torch.")
+    precision = dtype_name(dtype)
     lock = ckpt.hold_run_lock(output_dir) if rank == 0 else None  # noqa: F841 - held until exit
     meta = ckpt.run_meta(config.fingerprint(), world, precision)
     ckpt.check_meta(output_dir, meta, args.resume)
