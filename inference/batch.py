@@ -47,6 +47,7 @@ from selfdraft.inference.decoding import (
     check_prompt_fits,
     check_request,
     cut_at_stop,
+    draws_children,
     first_token,
     tree_that_fits,
 )
@@ -297,6 +298,9 @@ def batched_speculative_generate(
             )
             row.stats.observe_time += time.perf_counter() - t0
     del passed
+    drawing = draws_children(drafter, spec, sampling, acceptance)
+    if drawing:
+        drafter.draw_with(sampling.temperature, [row.generator for row in rows])
     # Drop rows done after the first token; the others keep [0, len_b) (pad slots go).
     rows = _retire(rows, cache, drafter, kv.cache_length(cache), [[] for _ in rows], finished, start)
 
@@ -328,6 +332,7 @@ def batched_speculative_generate(
                 sampling,
                 acceptance,
                 row.generator,
+                drafter.tree_dists(b, tree.size) if drawing else None,
             )
             t2 = time.perf_counter()
             path = [0, *result.accepted]

@@ -126,15 +126,38 @@ def verify_tree(target, cache, tokens: torch.Tensor, spec: TreeSpec) -> TargetPa
 
 
 def accept_tree(
-    passed: TargetPass, tokens: torch.Tensor, spec: TreeSpec, sampling: SamplingParams, mode: str, generator
+    passed: TargetPass,
+    tokens: torch.Tensor,
+    spec: TreeSpec,
+    sampling: SamplingParams,
+    mode: str,
+    generator,
+    q: torch.Tensor | None = None,
 ) -> AcceptResult:
+    """q: [N, V] when the children were drawn without replacement from q[u] (see `draws_children`)."""
     if sampling.is_greedy:
         return accept_greedy(tokens, passed.logits.argmax(-1), spec)
     p = warp_probs(passed.logits, sampling)
     if mode == "typical":
         return accept_typical(p, tokens, spec, generator=generator)
+    if q is not None:
+        return accept_rejection(p, tokens, spec, variant="without_replacement", q=q, generator=generator)
     # Children are deterministic picks (heads' top-k, a looked-up branch): the exact rule for them.
     return accept_rejection(p, tokens, spec, variant="deterministic", q=None, generator=generator)
+
+
+def draws_children(drafter, shape: TreeShape, sampling: SamplingParams, acceptance: str) -> bool:
+    """Whether children are drawn from the head's own q (then verified by the without-replacement rule)
+    instead of taken as its top-k: at T > 0 under lossless acceptance, for a static tree whose ranks
+    are in draw order, with a drafter that can draw (EAGLE). Dynamic trees and lookup branches pick
+    children by value, which only the deterministic rule verifies exactly, so they keep top-k."""
+    return (
+        not sampling.is_greedy
+        and acceptance == "rejection"
+        and isinstance(shape, TreeSpec)
+        and shape.ranks_in_order
+        and callable(getattr(drafter, "draw_with", None))
+    )
 
 
 def first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
@@ -230,6 +253,9 @@ def speculative_generate(
     done = emit([root])
     next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=input_ids.device)])
     drafter.observe(next_tokens, passed.hidden_states, torch.arange(prompt_len, device=input_ids.device))
+    drawing = draws_children(drafter, spec, sampling, acceptance)
+    if drawing:
+        drafter.draw_with(sampling.temperature, generator)
 
     while not done:
         prefix = kv.cache_length(cache)
@@ -242,7 +268,8 @@ def speculative_generate(
         t1 = time.perf_counter()
         passed = verify_tree(target, cache, tokens.to(input_ids.device), tree)
         t2 = time.perf_counter()
-        result = accept_tree(passed, tokens, tree, sampling, acceptance, generator)
+        q = drafter.tree_dists(tree.size) if drawing else None
+        result = accept_tree(passed, tokens, tree, sampling, acceptance, generator, q)
         t3 = time.perf_counter()
         path = torch.tensor([0, *result.accepted], dtype=torch.long, device=input_ids.device)
         kv.keep_positions(cache, prefix, prefix + path)

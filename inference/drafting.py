@@ -39,6 +39,28 @@ def ranked_children(logits: torch.Tensor, k: int, heads) -> tuple[torch.Tensor, 
     return ids, top.values
 
 
+# Mass spread uniformly over the draft vocabulary in a drawing drafter's q: every token keeps q > 0,
+# so a row always has k distinct tokens to draw; q is ours to choose, and acceptance uses this exact q.
+DRAW_FLOOR = 1e-6
+
+
+def drawn_children(
+    logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None, heads
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k children per node drawn without replacement from q = softmax(logits / T) (floored, see
+    DRAW_FLOOR), in draw order: the Gumbel top-k of log q is exactly such a draw.
+
+    logits: [n, V'] -> (target ids [n, k], log q of each draw [n, k], q [n, V'] float32)."""
+    q = torch.softmax(logits.float() / temperature, dim=-1)
+    q = q * (1.0 - DRAW_FLOOR) + DRAW_FLOOR / q.shape[-1]
+    logq = q.log()
+    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(min=torch.finfo(torch.float32).tiny)
+    draws = torch.topk(logq - torch.log(-torch.log(u)), k, dim=-1).indices
+    vocab = getattr(heads, "draft_vocab", None)
+    ids = vocab.to_target(draws) if vocab is not None else draws
+    return ids, logq.gather(-1, draws), q
+
+
 def heads_dtype(heads: torch.nn.Module) -> torch.dtype:
     """The floating dtype the heads compute in; it may differ from the target's (see `draft_dtype`)."""
     for p in heads.parameters():
@@ -72,7 +94,9 @@ class MedusaDrafter:
         self.logits = self.heads.logits(self.last_feature, slice(0, max(1, max_depth)))  # [D, V']
         self.ranked = None
 
-    def children(self, grown: Grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(
+        self, grown: Grown, nodes: list[int], depth: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # every node at one depth gets the same proposals: Medusa heads see only the last feature
         if self.ranked is None or self.ranked[0].shape[-1] < k:
             self.ranked = ranked_children(self.logits, k, self.heads)  # [D, k]
@@ -109,9 +133,36 @@ class EagleRows:
         self.tree_start: int | None = None  # cache length before the current trees' nodes
         self.slots: list[dict[int, int]] = []  # per row: tree node -> physical slot
         self.features: list[dict[int, torch.Tensor]] = []  # per row: tree node -> predicted feature [h]
+        # drawing children (see `draw_with`) instead of taking the top-k
+        self.temperature = 0.0
+        self.generators: list[torch.Generator | None] = [None] * rows
+        self.dists: list[dict[int, torch.Tensor]] = [{} for _ in range(rows)]  # node -> q [V'] it drew from
+
+    def draw_with(self, temperature: float, generators: list[torch.Generator | None]) -> None:
+        """From now on children are drawn without replacement from q = softmax(logits / temperature),
+        row b with generators[b]; `tree_dists` then gives the q that acceptance needs
+        (`accept_rejection(variant="without_replacement")`)."""
+        if temperature <= 0 or len(generators) != len(self.lengths):
+            raise ValueError("drawing needs a temperature > 0 and one generator per row")
+        self.temperature, self.generators = temperature, list(generators)
+
+    def tree_dists(self, row: int, size: int) -> torch.Tensor:
+        """q [size, V] over the target vocabulary for the last tree row `row` drew (node order of the
+        tree its growth returned); rows of nodes that drew nothing are zero."""
+        vocab = self.heads.draft_vocab
+        some = next(iter(self.dists[row].values()))
+        width = vocab.t2d.numel() if vocab is not None else some.shape[-1]
+        out = some.new_zeros(size, width)
+        for node, q in self.dists[row].items():
+            out[node] = vocab.scatter_to_target(q) if vocab is not None else q
+        return out
 
     def observe(
-        self, row: int, next_tokens: torch.Tensor, hidden_states: Sequence[torch.Tensor], positions: torch.Tensor
+        self,
+        row: int,
+        next_tokens: torch.Tensor,
+        hidden_states: Sequence[torch.Tensor],
+        positions: torch.Tensor,
     ) -> None:
         """The target's features of batch row `row` (hidden_states: that row's, each [1, n, h]) at
         `positions` [P], whose next tokens `next_tokens` [P] are now known (prefill or accepted path)."""
@@ -187,6 +238,7 @@ class EagleRows:
         self.tree_start = kv.cache_length(self.cache)
         self.slots = [{} for _ in range(rows)]
         self.features = [{0: out[b, counts[b] - 1]} for b in range(rows)]
+        self.dists = [{} for _ in range(rows)]
 
     @torch.no_grad()
     def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -198,12 +250,21 @@ class EagleRows:
         answers = {}
         for k, rows in by_k.items():
             feats = torch.stack([self.features[b][u] for b in rows for u in requests[b].nodes])
-            ids, logq = ranked_children(self.heads.logits(feats), k, self.heads)
+            logits = self.heads.logits(feats)
+            if not self.temperature:
+                ids, logq = ranked_children(logits, k, self.heads)
             at = 0
             for b in rows:
-                n = len(requests[b].nodes)
-                answers[b] = (ids[at : at + n], logq[at : at + n])
-                at += n
+                nodes = requests[b].nodes
+                if self.temperature:  # each row draws with its own generator
+                    drawn = drawn_children(
+                        logits[at : at + len(nodes)], k, self.temperature, self.generators[b], self.heads
+                    )
+                    answers[b] = drawn[:2]
+                    self.dists[b].update(zip(nodes, drawn[2], strict=True))
+                else:
+                    answers[b] = (ids[at : at + len(nodes)], logq[at : at + len(nodes)])
+                at += len(nodes)
         return answers
 
     @torch.no_grad()
@@ -244,6 +305,8 @@ class EagleRows:
             return
         self.lengths = [self.lengths[b] for b in keep]
         self.pending = [self.pending[b] for b in keep]
+        self.generators = [self.generators[b] for b in keep]
+        self.dists = [self.dists[b] for b in keep]
         if not keep:
             self.cache = kv.new_cache()
         elif kv.cache_length(self.cache):
@@ -270,7 +333,9 @@ class EagleDrafter:
     def begin(self, root_token: int, max_depth: int) -> None:
         self.rows.begin({0: Begin(root_token, max_depth)})
 
-    def children(self, grown: Grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(
+        self, grown: Grown, nodes: list[int], depth: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows.children({0: Children(grown, nodes, depth, k)})[0]
 
     def feed(self, grown: Grown, nodes: list[int], depth: int) -> None:
@@ -278,6 +343,12 @@ class EagleDrafter:
 
     def end(self) -> None:
         self.rows.end()
+
+    def draw_with(self, temperature: float, generator: torch.Generator | None) -> None:
+        self.rows.draw_with(temperature, [generator])
+
+    def tree_dists(self, size: int) -> torch.Tensor:
+        return self.rows.tree_dists(0, size)
 
 
 class PerRow:

@@ -251,6 +251,13 @@ class TreeSpec:
         )
 
     @cached_property
+    def ranks_in_order(self) -> bool:
+        """Every node's children take ranks 0..c-1 in node order: the first c of its drafter's candidates,
+        tried in the order they were drawn, as a tree of drawn children needs (keeping a later draw
+        but not an earlier one, or trying them out of order, would bias acceptance)."""
+        return all([self.ranks[c] for c in kids] == list(range(len(kids))) for kids in self.children)
+
+    @cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:
         kids: list[list[int]] = [[] for _ in range(self.size)]
         for i in range(1, self.size):
@@ -300,7 +307,9 @@ class TreeSpec:
             if not frontier:
                 break
             yield Feed(grown, [node_of[c] for c in frontier], depth + 1)
-        return self, torch.tensor([grown.tokens[node_of[i]] for i in range(self.size)], dtype=torch.long)
+        # nodes in the order they were drafted (this tree's own order for trees built by from_paths), so
+        # a drafter's per-node records (the q a node's children were drawn from) index the result
+        return TreeSpec.from_parents(grown.parents, grown.ranks), torch.tensor(grown.tokens, dtype=torch.long)
 
 
 # ---- a tree while it is drafted ---------------------------------------------------------------------

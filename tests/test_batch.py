@@ -130,6 +130,8 @@ def test_sampled_row_independent_of_neighbours():
     [
         ("medusa", "small", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
         ("eagle", "dynamic:depth=3,top_k=2,total_tokens=5", SamplingParams(temperature=1.0)),
+        # a static tree at T > 0: every row draws its children from the head's q (EagleRows.draw_with)
+        ("eagle", "small", SamplingParams(temperature=0.9, top_k=20)),
     ],
 )
 def test_sampled_rows_follow_two_token_law(kind, tree, params):

@@ -100,15 +100,15 @@ def rank_laws(law: torch.Tensor, conditionals: list[torch.Tensor], counts: torch
     return out
 
 
-def sample_four_tokens(target, draws: int = DRAWS) -> tuple[torch.Tensor, int]:
-    """Counts [V, V, V, V] of DRAWS generate calls, and how many drafted tokens were accepted at depth >= 2
-    (the oracle is the drafter: `speculative_generate` takes any object with the drafter protocol)."""
+def sample_four_tokens(target, draws: int = DRAWS, heads=None) -> tuple[torch.Tensor, int]:
+    """Counts [V, V, V, V] of DRAWS generate calls, and how many drafted tokens were accepted at depth >= 2.
+    The drafter is a fresh `TopKOracle` per call (`speculative_generate` takes any object with the
+    drafter protocol), or `heads`."""
     counts = torch.zeros(V, V, V, V)
     deep = 0
     for seed in range(draws):
-        oracle = TopKOracle(target)
         out = decoding.speculative_generate(
-            target, oracle, PROMPT, spec=TREE, max_new_tokens=4,
+            target, heads or TopKOracle(target), PROMPT, spec=TREE, max_new_tokens=4,
             sampling=SamplingParams(temperature=PARAMS.temperature, seed=seed), stop_token_ids=[],
         )
         counts[tuple(out.tokens)] += 1
@@ -175,3 +175,55 @@ def test_wrong_samplers_fail_the_gate(kind, monkeypatch):
     counts, _ = sample_four_tokens(target, draws=1500)  # each mutant is off by far more than noise
     failed = failed_gates(counts, law, conditionals)
     assert failed, f"the {kind} sampler passed the gate"
+
+
+def drawing_eagle_heads(target):
+    """EAGLE heads whose q is far from uniform, so drawn children are sometimes rejected and sometimes
+    accepted deep in the tree."""
+    from selfdraft.heads import HeadsConfig, build_heads
+
+    torch.manual_seed(5)
+    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return heads
+
+
+@pytest.mark.slow  # 2,000 generate calls
+def test_four_token_law_with_children_drawn_from_the_heads(monkeypatch):
+    """At T > 0 on a static tree an EAGLE drafter draws children without replacement from its own q,
+    verified by the without-replacement rule: the same four-token gate holds."""
+    target = small_vocab_target()
+    law, conditionals = exact_four_token_law(target)
+    variants = []
+    exact = decoding.accept_rejection
+
+    def spy(*args, **kwargs):
+        variants.append(kwargs["variant"])
+        return exact(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "accept_rejection", spy)
+    counts, deep = sample_four_tokens(target, heads=drawing_eagle_heads(target))
+    assert set(variants) == {"without_replacement"}
+    assert deep > DRAWS // 10, "drawn children should be accepted deep in the tree often"
+    assert failed_gates(counts, law, conditionals) == []
+
+
+@pytest.mark.slow
+def test_drawing_from_one_q_and_verifying_with_another_fails_the_gate(monkeypatch):
+    """The gate can tell: children drawn at temperature 1 but verified as if drawn at PARAMS' 1.5."""
+    from selfdraft.inference import drafting
+
+    target = small_vocab_target()
+    law, conditionals = exact_four_token_law(target)
+    honest = drafting.drawn_children
+
+    def mismatched(logits, k, temperature, generator, heads):
+        ids, logq, q = honest(logits, k, temperature, generator, heads)
+        return honest(logits, k, 1.0, generator, heads)[:2] + (q,)
+
+    monkeypatch.setattr(drafting, "drawn_children", mismatched)
+    counts, _ = sample_four_tokens(target, draws=1500, heads=drawing_eagle_heads(target))
+    assert failed_gates(counts, law, conditionals), "a q mismatch passed the gate"
