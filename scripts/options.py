@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 
 
-def add_precision_arguments(parser: argparse.ArgumentParser, with_defaults: bool = True) -> None:
-    """--dtype and --draft-dtype; without defaults (None) a config file's values stand."""
+def add_precision_arguments(
+    parser: argparse.ArgumentParser, with_defaults: bool = True, dtype: str = "float32"
+) -> None:
+    """--dtype (default `dtype`) and --draft-dtype; without defaults (None) a config file's values stand."""
     parser.add_argument(
         "--dtype",
-        default="float32" if with_defaults else None,
-        help="the target's dtype: float32 (greedy output token-identical to its own generate) or "
+        default=dtype if with_defaults else None,
+        help="the target's dtype: float32 (greedy output token-identical to its own generate), "
         "bfloat16/float16 (faster on CPUs with native bf16; the target's own argmax then depends on "
-        "the block size, so outputs can part at near-ties)",
+        "the block size, so outputs can part at near-ties), or auto (bfloat16 where the machine "
+        f"computes it natively, else float32); default {dtype}",
     )
     parser.add_argument(
         "--draft-dtype",

@@ -32,13 +32,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """'float32' | 'bfloat16' | 'float16' (or fp32/bf16/fp16, or a torch.dtype) -> torch.dtype."""
+    """'float32' | 'bfloat16' | 'float16' (or fp32/bf16/fp16, or a torch.dtype) -> torch.dtype; 'auto'
+    -> bfloat16 where it is fast (a CUDA GPU that supports it, or a CPU with native bf16), else float32."""
     if isinstance(name, torch.dtype):
         return name
+    if name.lower() == AUTO:
+        fast = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_native_bf16()
+        return torch.bfloat16 if fast else torch.float32
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise UserError(f"unknown dtype {name!r}: use one of {sorted(set(DTYPES))}") from None
+        raise UserError(f"unknown dtype {name!r}: use auto or one of {sorted(set(DTYPES))}") from None
 
 
 def native_bf16(cpuinfo: str, machine: str) -> bool:

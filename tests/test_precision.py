@@ -23,6 +23,17 @@ def test_parse_dtype():
         parse_dtype("int8")
 
 
+def test_auto_target_dtype_is_bf16_only_where_it_is_native(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert parse_dtype("auto") is torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert parse_dtype("AUTO") is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert parse_dtype("auto") is torch.bfloat16
+
+
 def test_native_bf16_flags():
     sapphire = "processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
     zen4 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
