@@ -69,7 +69,11 @@ def score_trees(
     candidates: list[str],
     max_new_tokens: int = 64,
     curve: dict[int, float] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> list[TreeScore]:
+    """Every candidate on every prompt (interleaved per prompt), at `temperature` (prompt i with seed
+    seed + i, the same for every candidate); best expected tokens/s first."""
     limit = getattr(model.heads, "max_draft_depth", None)
     shapes = {c: resolve_tree(c) for c in candidates}
     skipped = [c for c, shape in shapes.items() if limit is not None and shape.draft_depth > limit]
@@ -80,9 +84,10 @@ def score_trees(
         raise UserError(f"no candidate tree fits heads that draft {limit} levels; pass shallower --candidates")
     curve = curve or verify_cost_curve(model.target, [1, 2, 4, 8, 16, 32, 64])
     runs: dict[str, list] = {c: [] for c in shapes}
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         for c in shapes:  # interleaved per prompt
-            runs[c].append(model.generate(ids, max_new_tokens, tree=shapes[c]))
+            out = model.generate(ids, max_new_tokens, tree=shapes[c], temperature=temperature, seed=seed + i)
+            runs[c].append(out)
     scores = []
     for c, outs in runs.items():
         passes = sum(o.stats.tree_passes for o in outs)

@@ -111,17 +111,22 @@ def prompt_text(prompt: str | bytes) -> str:
 class SelfDraftModel:
     """Holds a target, its tokenizer and heads; `generate` decodes speculatively and losslessly."""
 
-    def __init__(self, target, tokenizer, heads, tree: TreeLike | None = None) -> None:
-        """tree: None = the default shape, cut to what the heads can draft (Medusa: one head per depth)."""
+    def __init__(
+        self, target, tokenizer, heads, tree: TreeLike | None = None, sampling_tree: TreeLike | None = None
+    ) -> None:
+        """tree: None = the default shape, cut to what the heads can draft (Medusa: one head per depth).
+        sampling_tree: the shape for temperature > 0 (None: a tree file's `sampling:` tree, else `tree`)."""
         check_compatible(heads.config, target.config)
         self.target = target
         self.tokenizer = tokenizer
         self.heads = heads.attach(target).to(target.device).eval()
         self.tree = self._fitting_tree(tree)
+        given = tree if sampling_tree is None else sampling_tree
+        self.sampling_tree = self._fitting_tree(given, sampling=True) if given is not None else self.tree
         warn_unapplied_generation_config(target)
 
-    def _fitting_tree(self, tree: TreeLike | None) -> TreeShape:
-        shape = resolve_tree(DEFAULT_TREE if tree is None else tree, dtype_name(self.target.dtype))
+    def _fitting_tree(self, tree: TreeLike | None, sampling: bool = False) -> TreeShape:
+        shape = resolve_tree(DEFAULT_TREE if tree is None else tree, dtype_name(self.target.dtype), sampling)
         limit = getattr(self.heads, "max_draft_depth", None)
         if limit is None or shape.draft_depth <= limit:
             return shape
@@ -233,7 +238,10 @@ class SelfDraftModel:
         sampling = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=None if is_batch(input_ids) else seed
         )
-        spec = self._fitting_tree(tree) if tree is not None else self.tree
+        if tree is not None:
+            spec = self._fitting_tree(tree, sampling=temperature > 0)
+        else:
+            spec = self.sampling_tree if temperature > 0 else self.tree
         stops = self.default_stop_ids() if stop_token_ids is None else stop_token_ids
         vocab = self.target.get_input_embeddings().num_embeddings
         if is_batch(input_ids):

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="score trees at this temperature; > 0 writes the tree file's `sampling:` tree (used at T > 0)",
+    )
+    parser.add_argument(
         "--out",
         default=None,
         help="tree file to write this dtype's entry into (default HEADS/tree.yaml; other dtypes' entries stay)",
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         candidates = [c for c in candidates if resolve_tree(c).max_tokens <= args.max_tree_tokens]
         if not candidates:
             raise UserError(f"no candidate tree fits in {args.max_tree_tokens} tokens")
-    scores = score_trees(model, prompts, candidates, args.max_new_tokens)
+    scores = score_trees(model, prompts, candidates, args.max_new_tokens, temperature=args.temperature)
     print(
         f"{'tree':42s} {'tau':>5s} {'size':>5s} {'draft ms':>8s} {'verify ms':>9s} {'expected':>8s} {'measured':>8s}"
     )
@@ -61,8 +67,11 @@ def run(args: argparse.Namespace) -> int:
     best = scores[0]
     out = Path(args.out) if args.out else Path(args.heads) / TREE_FILE
     dtype = dtype_name(model.target.dtype)
+    sampling = args.temperature > 0
+    description = tree_description(best) + (f" at temperature {args.temperature:g}" if sampling else "")
     write_tree_file(
-        out, resolve_tree(best.tree), tree_description(best), dict(asdict(best)), dtype=dtype
+        out, resolve_tree(best.tree), description, dict(asdict(best)), dtype=dtype, sampling=sampling
     )
-    print(f"chose {best.tree} for {dtype} -> {out}")
+    which = f"the T > 0 tree (tuned at {args.temperature:g})" if sampling else "the greedy tree"
+    print(f"chose {best.tree} as {which} for {dtype} -> {out}")
     return 0

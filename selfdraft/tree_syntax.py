@@ -5,6 +5,10 @@ A tree file holds one tree, or one tree per target dtype (`bfloat16:` / `float32
 entries, each a one-tree block): the best tree depends on what verification costs, and a bf16 pass
 over 32 tokens costs about what one token does on a CPU with bf16 matrix units, while fp32 pays for
 every token. `selfdraft tune` writes the entry of the dtype it ran in and keeps the others.
+
+A tree may carry a `sampling:` block, itself a one-tree block: the tree for temperature > 0, where
+drawn children on a static tree (see `decoding.draws_children`) can beat the greedy choice
+(`selfdraft tune --temperature T` writes it).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ TreeLike = TreeShape | str | Sequence[Sequence[int]]
 DYNAMIC_KEYS = {"depth", "top_k", "total_tokens"}
 LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram"}
 LOOKUP_SUFFIX = "+lookup"
-FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured"}
+FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured", "sampling"}
 DTYPE_KEYS = ("bfloat16", "float32", "float16")  # a per-dtype tree file's entries
 
 logger = logging.getLogger(__name__)
@@ -57,19 +61,25 @@ def _per_dtype(data: dict) -> bool:
     return bool(data) and set(data) <= set(DTYPE_KEYS)
 
 
-def read_tree_file(path: Path, dtype: str | None = None) -> TreeShape:
+def read_tree_file(path: Path, dtype: str | None = None, sampling: bool = False) -> TreeShape:
     """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
-    `lookup: {tokens, max_ngram, min_ngram}` branch, and an optional `description:` / `measured:`
-    block; anything else is rejected. Or such blocks under dtype keys (see the module docstring):
-    `dtype` ("bfloat16", "float32", ...) picks one; without an entry for it (or without `dtype`) the
-    first entry serves, with a warning, since any tree stays lossless."""
+    `lookup: {tokens, max_ngram, min_ngram}` branch, an optional `sampling:` tree for T > 0, and an
+    optional `description:` / `measured:` block; anything else is rejected. Or such blocks under dtype
+    keys (see the module docstring): `dtype` ("bfloat16", "float32", ...) picks one; without an entry
+    for it (or without `dtype`) the first entry serves, with a warning, since any tree stays lossless.
+    sampling: the block's `sampling:` tree if it has one, else the block's own tree."""
     data = _load_yaml(path)
+    where = str(path)
     if _per_dtype(data):
         name = dtype if dtype in data else next(iter(data))
         if dtype != name:
             logger.warning("%s has no tree for %s; using its %s tree", path, dtype or "this dtype", name)
-        return _tree_block(f"{path} [{name}]", data[name])
-    return _tree_block(str(path), data)
+        where, data = f"{path} [{name}]", data[name]
+    if sampling and isinstance(data, dict) and "sampling" in data:
+        where, data = f"{where} [sampling]", data["sampling"]
+        if isinstance(data, dict) and "sampling" in data:
+            raise UserError(f"{where}: a `sampling:` tree cannot hold another one")
+    return _tree_block(where, data)
 
 
 def _tree_block(where: str, data) -> TreeShape:
@@ -105,28 +115,42 @@ def _shape_fields(tree: TreeShape) -> dict:
 
 
 def write_tree_file(
-    path: Path, tree: TreeShape, description: str = "", measured: dict | None = None, dtype: str | None = None
+    path: Path,
+    tree: TreeShape,
+    description: str = "",
+    measured: dict | None = None,
+    dtype: str | None = None,
+    sampling: bool = False,
 ):
     """Write one tree; with `dtype`, as that dtype's entry of a per-dtype file, keeping the file's
-    other dtypes' entries (a one-tree file it replaces)."""
+    other dtypes' entries (a one-tree file it replaces). sampling: write it as the entry's `sampling:`
+    tree (for T > 0), keeping the entry's greedy tree; otherwise an existing `sampling:` tree stays."""
     data: dict = {"description": description} if description else {}
     data.update(_shape_fields(tree))
     if measured:
         data["measured"] = measured
+    if dtype is not None and dtype not in DTYPE_KEYS:
+        raise UserError(f"no tree entry for dtype {dtype!r}; use one of {', '.join(DTYPE_KEYS)}")
+    old = _load_yaml(path) if Path(path).is_file() else {}
+    entries = dict(old) if _per_dtype(old) else {}
+    previous = entries.get(dtype, {}) if dtype is not None else old
+    if sampling:
+        if not previous:
+            raise UserError(f"{path}: write the greedy tree (tune at temperature 0) before a sampling tree")
+        data = {**previous, "sampling": data}
+    elif "sampling" in previous:
+        data["sampling"] = previous["sampling"]
     if dtype is not None:
-        if dtype not in DTYPE_KEYS:
-            raise UserError(f"no tree entry for dtype {dtype!r}; use one of {', '.join(DTYPE_KEYS)}")
-        old = _load_yaml(path) if Path(path).is_file() else {}
-        entries = {k: v for k, v in old.items() if k != dtype} if _per_dtype(old) else {}
         merged = {**entries, dtype: data}
         data = {k: merged[k] for k in DTYPE_KEYS if k in merged}
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
-def resolve_tree(tree: TreeLike, dtype: str | None = None) -> TreeShape:
+def resolve_tree(tree: TreeLike, dtype: str | None = None, sampling: bool = False) -> TreeShape:
     """A TreeSpec, DynamicTree or LookupTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a
-    tree YAML file (its `dtype` entry, if it has one per dtype), or a list of rank paths; a name may
-    end in `+lookup[=K]` to graft a prompt-lookup branch of up to K tokens on every drafted tree."""
+    tree YAML file (its `dtype` entry if it has one per dtype; with `sampling` its tree for T > 0 if
+    it has one), or a list of rank paths; a name may end in `+lookup[=K]` to graft a prompt-lookup
+    branch of up to K tokens on every drafted tree."""
     if isinstance(tree, TreeSpec | DynamicTree | LookupTree):
         return tree
     if not isinstance(tree, str):
@@ -147,7 +171,7 @@ def resolve_tree(tree: TreeLike, dtype: str | None = None) -> TreeShape:
         return TreeSpec.chain(int(tree[6:]))
     path = Path(tree)
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        return read_tree_file(path, dtype)
+        return read_tree_file(path, dtype, sampling)
     raise UserError(
         f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, dynamic:..., "
         "a YAML file, optionally followed by +lookup[=K]"

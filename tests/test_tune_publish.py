@@ -72,6 +72,41 @@ def test_tree_file_holds_one_tree_per_dtype(tmp_path, caplog):
         read_tree_file(path, "bfloat16")
 
 
+def test_tree_file_sampling_tree_serves_temperatures_above_zero(tmp_path):
+    """tune --temperature T > 0 writes a `sampling:` tree next to the greedy one; the model drafts
+    with it at T > 0 only; re-tuning the greedy tree keeps it."""
+    from selfdraft.inference import decoding
+
+    from tiny_models import tiny_target
+
+    heads_dir = tmp_path / "heads"
+    target = tiny_target()
+    save_heads(build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")), heads_dir)
+    path = heads_dir / TREE_FILE
+    with pytest.raises(ValueError, match="greedy tree"):
+        write_tree_file(path, resolve_tree("small"), dtype="float32", sampling=True)
+    write_tree_file(path, resolve_tree("dynamic:depth=2,top_k=2,total_tokens=3"), dtype="float32")
+    write_tree_file(path, resolve_tree("small"), "drawn", dtype="float32", sampling=True)
+    write_tree_file(path, resolve_tree("chain-2"), dtype="float32")  # re-tuned greedy tree
+    model = SelfDraftModel.with_heads(target, None, heads_dir, draft_dtype=None)
+    assert model.tree == resolve_tree("chain-2") and model.sampling_tree == resolve_tree("small")
+    used = []
+    real = decoding.speculative_generate
+
+    def spy(*args, **kwargs):
+        used.append(kwargs["spec"])
+        return real(*args, **kwargs)
+
+    decoding_generate = "selfdraft.inference.model.speculative_generate"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoding_generate, spy)
+        model.generate(torch.tensor([1, 2, 3]), 3)
+        model.generate(torch.tensor([1, 2, 3]), 3, temperature=0.7, seed=0)
+    assert used == [resolve_tree("chain-2"), resolve_tree("small")]
+    # a one-tree file without a sampling tree: T > 0 uses the greedy tree
+    assert SelfDraftModel(target, None, model.heads, tree="chain-1").sampling_tree == resolve_tree("chain-1")
+
+
 def _fake_run(run: Path, model, steps: int, examples: int, seconds: float) -> None:
     save_heads(model.heads, run / "heads")
     (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2}))
