@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import datasets
 import pytest
@@ -21,7 +22,9 @@ from selfdraft.corpora import (
     sharegpt_path,
     sharegpt_to_messages,
 )
+from selfdraft.errors import UserError
 from selfdraft.splits import is_heldout
+from selfdraft.training import dataset
 from selfdraft.training import rendering as data
 from selfdraft.training.dataset import HELDOUT_FILE, build_dataset
 from selfdraft.training.distill import regenerate_assistant_turns
@@ -255,6 +258,45 @@ def test_heldout_split_is_deterministic_disjoint_and_written(tok, tmp_path):
         build_dataset([clashing], tok, 64, seed=1, heldout_fraction=0.25, run_dir=tmp_path / "d")
     again, _ = build_dataset([records], tok, 64, seed=1, heldout_fraction=0.25, run_dir=tmp_path / "c")
     assert again["input_ids"] == train_a["input_ids"]
+
+
+def test_rendering_in_two_processes_gives_the_same_splits(tok, tmp_path, monkeypatch):
+    records = _synthetic_records(150)
+    records += [{"id": f"doc{i}", "text": f"def f{i}(x):\n    return x * {i}\n" * 12} for i in range(20)]
+    records.append({"id": "bad", "messages": [{"role": "assistant", "content": "no question"}]})
+    long_prompt = [{"role": "user", "content": "words " * 80}, {"role": "assistant", "content": "cut away"}]
+    records.append({"id": "no-label", "messages": long_prompt})  # its answer lies past max_length
+    monkeypatch.setattr(dataset, "RENDER_BATCH", 16)  # several batches per process, shards mid-batch
+    one = build_dataset(
+        [records], tok, 48, seed=5, heldout_fraction=0.2, run_dir=tmp_path / "one", num_proc=1
+    )
+    two = build_dataset(
+        [records], tok, 48, seed=5, heldout_fraction=0.2, run_dir=tmp_path / "two", num_proc=2,
+        work_dir=tmp_path / "work",
+    )  # fmt: skip
+    assert any(p.suffix == ".arrow" for p in (tmp_path / "work").iterdir())  # rendered on disk
+    for a, b in zip(one, two, strict=True):
+        assert a.features == b.features
+        assert a["id"] == b["id"] and a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    ids = list(one[0]["id"]) + list(one[1]["id"])
+    assert len(one[1]) > 0 and "bad" not in ids and "no-label" not in ids
+    assert ids.count("doc3") > 1  # a text record yields several windows
+    written = [json.loads((tmp_path / run / HELDOUT_FILE).read_text()) for run in ("one", "two")]
+    assert written[0] == written[1] and set(one[1]["id"]) <= set(written[0]["ids"])
+
+
+def test_render_processes_default_and_override(monkeypatch):
+    monkeypatch.delenv(dataset.NUM_PROC_ENV, raising=False)
+    assert dataset.resolve_num_proc(None, 10) == 1  # a small corpus is not worth a process pool
+    assert dataset.resolve_num_proc(None, 10**7) == min(len(os.sched_getaffinity(0)), dataset.MAX_AUTO_PROCS)
+    assert dataset.resolve_num_proc(4, 3) == 3
+    monkeypatch.setenv(dataset.NUM_PROC_ENV, "3")
+    assert dataset.resolve_num_proc(None, 100) == 3 and dataset.resolve_num_proc(2, 100) == 2
+    monkeypatch.setenv(dataset.NUM_PROC_ENV, "many")
+    with pytest.raises(UserError, match=dataset.NUM_PROC_ENV):
+        dataset.resolve_num_proc(None, 100)
+    with pytest.raises(UserError, match="at least 1"):
+        dataset.resolve_num_proc(0, 100)
 
 
 def test_python_source_skips_tests_caches_and_installed_packages(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -55,6 +56,9 @@ def test_debris_of_a_killed_build_is_replaced(tmp_path, tokenizer):
     train, heldout = prepare.prepare_splits(config, tokenizer)
     assert len(train) + len(heldout) == 30 and (root / prepare.SPLIT_FINGERPRINT).is_file()
     assert not (tmp_path / "run" / "data.tmp").exists()
+    # the render's scratch Arrow files are gone; the returned splits read the saved ones
+    assert sorted(p.name for p in root.iterdir()) == ["heldout", prepare.SPLIT_FINGERPRINT, "train"]
+    assert {Path(f["filename"]).parent.name for f in train.cache_files} == {"train"}
 
 
 def test_concurrent_builders_serialise(tmp_path, tokenizer):

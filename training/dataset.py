@@ -1,42 +1,163 @@
 """The training and held-out datasets of a run: sources rendered, split by `selfdraft.splits`, and the
-held-out ids written next to the run. Rows: {"id": str, "input_ids": list[int], "loss_mask": list[int]}."""
+held-out ids written next to the run. Rows: {"id": str, "input_ids": list[int], "loss_mask": list[int]}.
+
+Rendering runs as `datasets.map` over an Arrow table of the records, in `num_proc` processes, so the
+rendered corpus lives in Arrow (on disk when a `work_dir` is given) and never as Python lists.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import datasets
-from tqdm.auto import tqdm
+import pyarrow.compute as pc
 
 from selfdraft.corpora import load_source
+from selfdraft.errors import UserError
 from selfdraft.splits import is_heldout
 from selfdraft.training.rendering import render_records
 
 logger = logging.getLogger(__name__)
 
 HELDOUT_FILE = "heldout_ids.json"
+NUM_PROC_ENV = "SELFDRAFT_NUM_PROC"  # the render processes when no num_proc is passed
+RENDER_BATCH = 256  # records per batched tokenizer call
+# Auto num_proc: a worker process costs about a second to start and receive its shard, which pays off
+# only from a few thousand records on; more than 8 rarely help the tokenizer-bound render.
+RECORDS_PER_PROC = 2000
+MAX_AUTO_PROCS = 8
 
-
-def _load_sources(sources: Sequence[str | Iterable[dict]]) -> list[dict]:
-    records = []
-    for source in sources:
-        records.extend(load_source(source) if isinstance(source, str) else source)
-    return records
+ROW_FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    }
+)
+# One schema for both record shapes: the absent one of `messages` / `text` is null.
+RECORD_FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "text": datasets.Value("string"),
+    }
+)
+# One row per record: its kept token rows, its side of the split, or why it could not be rendered.
+RENDERED_FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "heldout": datasets.Value("bool"),
+        "skipped": datasets.Value("string"),
+        "input_ids": datasets.List(datasets.List(datasets.Value("int32"))),
+        "loss_mask": datasets.List(datasets.List(datasets.Value("int8"))),
+    }
+)
 
 
 def rows_to_dataset(rows: list[dict]) -> datasets.Dataset:
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    columns = {name: [row[name] for row in rows] for name in ROW_FEATURES}
+    return datasets.Dataset.from_dict(columns, features=ROW_FEATURES)
+
+
+def _records_dataset(sources: Sequence[str | Iterable[dict]]) -> datasets.Dataset:
+    """The records of every source as one Arrow table, converted source by source so only one
+    source's Python records are alive at a time."""
+    parts = []
+    for source in sources:
+        records = load_source(source) if isinstance(source, str) else list(source)
+        columns = {
+            "id": [str(r["id"]) for r in records],
+            "messages": [r.get("messages") for r in records],
+            "text": [r.get("text") for r in records],
         }
+        del records
+        parts.append(datasets.Dataset.from_dict(columns, features=RECORD_FEATURES))
+    if not parts:
+        return datasets.Dataset.from_dict({name: [] for name in RECORD_FEATURES}, features=RECORD_FEATURES)
+    return datasets.concatenate_datasets(parts)
+
+
+def resolve_num_proc(num_proc: int | None, records: int) -> int:
+    """Render processes: `num_proc`, else $SELFDRAFT_NUM_PROC, else one per RECORDS_PER_PROC records
+    up to min(usable CPUs, MAX_AUTO_PROCS). Never more than there are records."""
+    if num_proc is None and os.environ.get(NUM_PROC_ENV):
+        raw = os.environ[NUM_PROC_ENV]
+        if not raw.isdigit():
+            raise UserError(
+                f"{NUM_PROC_ENV}={raw!r} is not a whole number; set it to the render processes, e.g. 4"
+            )
+        num_proc = int(raw)
+    if num_proc is not None:
+        if num_proc < 1:
+            raise UserError(f"num_proc must be at least 1, got {num_proc}; pass 1 to render in this process")
+        return max(1, min(num_proc, records))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, MAX_AUTO_PROCS, records // RECORDS_PER_PROC))
+
+
+def _render_batch(batch: dict, tokenizer, max_length: int, heldout_fraction: float) -> dict:
+    records = [
+        {"id": i, "messages": m} if m is not None else {"id": i, "text": t}
+        for i, m, t in zip(batch["id"], batch["messages"], batch["text"], strict=True)
+    ]
+    out: dict[str, list] = {name: [] for name in RENDERED_FEATURES}
+    for record, rows in zip(records, render_records(tokenizer, records, max_length), strict=True):
+        skipped = isinstance(rows, str)
+        # the first token is never a label, so a row needs a masked token after it
+        kept = [] if skipped else [row for row in rows if any(row["loss_mask"][1:])]
+        out["id"].append(record["id"])
+        out["heldout"].append(not skipped and is_heldout(record, heldout_fraction))
+        out["skipped"].append(rows[:100] if skipped else None)
+        out["input_ids"].append([row["input_ids"] for row in kept])
+        out["loss_mask"].append([row["loss_mask"] for row in kept])
+    return out
+
+
+def _explode(ids: list[str], input_ids: list[list], loss_mask: list[list]) -> dict:
+    out: dict[str, list] = {name: [] for name in ROW_FEATURES}
+    for record_id, rows, masks in zip(ids, input_ids, loss_mask, strict=True):
+        out["id"].extend([record_id] * len(rows))
+        out["input_ids"].extend(rows)
+        out["loss_mask"].extend(masks)
+    return out
+
+
+def _arrow_file(work_dir: Path | None, name: str) -> str | None:
+    return None if work_dir is None else str(work_dir / f"{name}.arrow")
+
+
+def _split_rows(
+    rendered: datasets.Dataset, heldout: bool, num_proc: int, work_dir: Path | None
+) -> datasets.Dataset:
+    """The token rows of one side of the split, in record order."""
+    name = "heldout" if heldout else "train"
+    side = rendered.filter(
+        lambda flags: [flag == heldout for flag in flags],
+        input_columns="heldout",
+        batched=True,
+        cache_file_name=_arrow_file(work_dir, f"{name}-records"),
+        load_from_cache_file=False,
+        new_fingerprint=f"{name}-records",
     )
-    columns = {name: [row[name] for row in rows] for name in features}
-    return datasets.Dataset.from_dict(columns, features=features)
+    if len(side) == 0:  # `map` of an empty table would drop the columns along with the inputs
+        return rows_to_dataset([])
+    return side.map(
+        _explode,
+        batched=True,
+        input_columns=["id", "input_ids", "loss_mask"],
+        remove_columns=side.column_names,
+        features=ROW_FEATURES,
+        num_proc=num_proc if num_proc > 1 else None,
+        cache_file_name=_arrow_file(work_dir, f"{name}-rows"),
+        load_from_cache_file=False,
+        new_fingerprint=f"{name}-rows",
+        desc=f"{name} rows",
+    )
 
 
 def build_dataset(
@@ -46,39 +167,53 @@ def build_dataset(
     seed: int,
     heldout_fraction: float,
     run_dir: str | Path,
+    num_proc: int | None = None,
+    work_dir: str | Path | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Render every source record and split it into (train, heldout) datasets.
 
     sources: source spec strings (see `load_source`) or iterables of records. The held-out ids go to
     run_dir/heldout_ids.json so evaluation can check it never scores text the heads trained on. Rows
     with no loss token (e.g. an answer truncated away) are dropped; records the template cannot render
-    are skipped with a warning.
+    are skipped with a warning. num_proc: render processes (see `resolve_num_proc`); the result does
+    not depend on it. work_dir: an empty folder for the Arrow files of the rendered data (kept in
+    memory when None); the returned datasets read from it, so keep it until they are saved.
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    records = _load_sources(sources)
-    train_rows, heldout_rows, heldout_ids = [], [], set()
-    skipped: dict[str, int] = {}
-    chunk = 256
-    with tqdm(total=len(records), desc="render", unit="rec", mininterval=2.0) as bar:
-        for at in range(0, len(records), chunk):
-            batch = records[at : at + chunk]
-            for record, rows in zip(batch, render_records(tokenizer, batch, max_length), strict=True):
-                if isinstance(rows, str):
-                    skipped[rows[:100]] = skipped.get(rows[:100], 0) + 1
-                    continue
-                heldout = is_heldout(record, heldout_fraction)
-                if heldout:
-                    heldout_ids.add(record["id"])
-                # the first token is never a label, so a row needs a masked token after it
-                kept = [{"id": record["id"], **row} for row in rows if any(row["loss_mask"][1:])]
-                (heldout_rows if heldout else train_rows).extend(kept)
-            bar.update(len(batch))
-    for reason, count in skipped.items():
+    records = _records_dataset(sources)
+    procs = resolve_num_proc(num_proc, len(records))
+    work = Path(work_dir) if work_dir is not None else None
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
+    rendered = records.map(
+        _render_batch,
+        batched=True,
+        batch_size=RENDER_BATCH,
+        num_proc=procs if procs > 1 else None,
+        remove_columns=records.column_names,
+        features=RENDERED_FEATURES,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "heldout_fraction": heldout_fraction},
+        cache_file_name=_arrow_file(work, "rendered"),
+        load_from_cache_file=False,
+        new_fingerprint="rendered",  # a given fingerprint spares hashing the tokenizer
+        desc="render",
+    )
+    status = rendered.select_columns(["id", "heldout", "skipped"]).to_dict()
+    row_counts = pc.list_value_length(rendered.data.column("input_ids")).to_pylist() if len(rendered) else []
+    for reason, count in Counter(r for r in status["skipped"] if r is not None).items():
         logger.warning("skipped %d records: %s", count, reason)
-    if not train_rows:
+    heldout_ids = {i for i, held in zip(status["id"], status["heldout"], strict=True) if held}
+    trained_ids = {
+        i
+        for i, held, reason, n in zip(
+            status["id"], status["heldout"], status["skipped"], row_counts, strict=True
+        )
+        if not held and reason is None and n > 0
+    }
+    if not trained_ids:
         raise ValueError(f"no trainable rows out of {len(records)} records")
-    clash = heldout_ids & {row["id"] for row in train_rows}
+    clash = heldout_ids & trained_ids
     if clash:  # the id list would then name training text as held-out
         raise ValueError(
             f"{len(clash)} ids name records with different prompts, e.g. {sorted(clash)[:3]}; "
@@ -91,5 +226,7 @@ def build_dataset(
     tmp = run_dir / (HELDOUT_FILE + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
     tmp.replace(run_dir / HELDOUT_FILE)  # atomic: a reader never sees a half-written id list
-    train = rows_to_dataset(train_rows).shuffle(seed=seed).flatten_indices()
-    return train, rows_to_dataset(heldout_rows)
+    train = _split_rows(rendered, False, procs, work)
+    train = train.shuffle(seed=seed, indices_cache_file_name=_arrow_file(work, "train-order"))
+    train = train.flatten_indices(cache_file_name=_arrow_file(work, "train-shuffled"))
+    return train, _split_rows(rendered, True, procs, work)

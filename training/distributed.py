@@ -1,7 +1,15 @@
-"""Process-group setup shared by every launch mode: one process, torchrun (`selfdraft train`), the
-`deepspeed` launcher, and SLURM's `srun` without a launcher (SLURM_PROCID / SLURM_NTASKS /
-SLURM_LOCALID become RANK / WORLD_SIZE / LOCAL_RANK; MASTER_ADDR must name the first node, e.g.
-`export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)`)."""
+"""Process-group setup shared by every launch mode. The worker reads torch.distributed's variables
+(RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT); `rank_env` supplies them where a launcher
+sets others:
+
+- torchrun (`selfdraft train`), the `deepspeed` launcher, `accelerate launch` with a MULTI_GPU config
+  (accelerate runs torchrun, on CPU too): set them already;
+- SLURM's `srun` without a launcher: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; MASTER_ADDR must name
+  the first node, e.g. `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)`;
+- `mpirun` (accelerate's MULTI_CPU config with `mpirun_hostfile`, or DeepSpeed's MPI launchers):
+  Open MPI's, MVAPICH's or the PMI (MPICH, Intel MPI) rank variables, with MASTER_ADDR exported;
+- plain `python -m`: a world of one.
+"""
 
 from __future__ import annotations
 
@@ -51,15 +59,67 @@ def slurm_env(env) -> dict[str, str]:
     }
 
 
+# What MPI implementations set for each process: (rank, world size, local rank) variable names.
+MPI_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),  # MVAPICH
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH and Intel MPI (Hydra)
+)
+ACCELERATE_SIMPLE_LAUNCHER = "ACCELERATE_USE_CPU"  # set by accelerate's one-process launcher only
+
+
+def mpi_env(env) -> dict[str, str] | None:
+    """torch.distributed's variables from an `mpirun` process's, or None outside MPI."""
+    for rank, size, local in MPI_VARIABLES:
+        if rank not in env:
+            continue
+        if "MASTER_ADDR" not in env:
+            raise UserError(
+                "mpirun without torchrun: export MASTER_ADDR (the first host's address) to every process, "
+                "e.g. mpirun -x MASTER_ADDR=host0 (accelerate sets it from main_process_ip)"
+            )
+        if env.get("MASTER_PORT") == "0":  # each process would pick its own port and never meet
+            raise UserError("mpirun needs a fixed MASTER_PORT, got 0; set main_process_port, e.g. 29500")
+        return {
+            "RANK": env[rank],
+            "WORLD_SIZE": env.get(size, "1"),
+            "LOCAL_RANK": env.get(local, "0"),
+            "MASTER_PORT": env.get("MASTER_PORT", "29500"),
+        }
+    return None
+
+
+def rank_env(env) -> dict[str, str]:
+    """The variables to add to `env` so this process joins its launcher's world (see the module doc)."""
+    if "RANK" in env:
+        return {}
+    if "SLURM_PROCID" in env:
+        return slurm_env(env)
+    mpi = mpi_env(env)
+    if mpi is not None:
+        return mpi
+    if ACCELERATE_SIMPLE_LAUNCHER in env and "MASTER_ADDR" in env:
+        # accelerate exports MASTER_ADDR only when asked for several processes, yet its simple launcher
+        # starts one (MULTI_CPU without mpirun); that one would train alone as a world of one
+        raise UserError(
+            "accelerate launch started one process for a multi-process CPU config (MULTI_CPU runs its "
+            "processes only under mpirun); use configs/accelerate/cpu.yaml, or set mpirun_hostfile"
+        )
+    env_port = env.get("MASTER_PORT")
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": env_port or str(_free_port()),
+    }
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """Initialise DeepSpeed's process group (gloo on CPU, nccl on GPU). Returns (rank, world, device)."""
     import deepspeed
 
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        os.environ.update(slurm_env(os.environ))
-    if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.update(rank_env(os.environ))
     cuda = torch.cuda.is_available()
     if not cuda:
         _skip_shm_op()

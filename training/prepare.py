@@ -46,12 +46,16 @@ def _load_split(folder: Path) -> datasets.Dataset:
     return datasets.load_from_disk(str(folder))
 
 
-def prepare_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
+def prepare_splits(
+    config: RunConfig, tokenizer, num_proc: int | None = None
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """The run's (train, heldout) splits, built once under output_dir/data and reused.
 
     Both splits and their fingerprint are written into one temporary folder that is renamed into place
     (a killed build leaves only debris that the next build replaces); concurrent builders are
     serialised by a lock; a folder built from another data config is refused, not silently reused.
+    num_proc: render processes (default: see `dataset.resolve_num_proc`); the splits do not depend on
+    it, so it is not part of the fingerprint.
     """
     root = Path(config.output_dir) / DATA_DIR
     fingerprint = _split_fingerprint(config, tokenizer)
@@ -68,6 +72,8 @@ def prepare_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, data
             return _load_split(root / "train"), _load_split(root / "heldout")
         if root.exists():  # debris of a build killed mid-way, or of a version without a fingerprint
             shutil.rmtree(root)
+        tmp = root.with_name(f"{DATA_DIR}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
         train, heldout = build_dataset(
             config.data.sources
             if config.data.limit_records is None
@@ -80,14 +86,16 @@ def prepare_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, data
             seed=config.data.seed,
             heldout_fraction=config.data.heldout_fraction,
             run_dir=Path(config.output_dir),
+            num_proc=num_proc,
+            work_dir=tmp / "work",  # rendered Arrow files on disk, not in memory
         )
-        tmp = root.with_name(f"{DATA_DIR}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         train.save_to_disk(str(tmp / "train"))
         heldout.save_to_disk(str(tmp / "heldout"))
+        del train, heldout  # they read from work/, deleted next
+        shutil.rmtree(tmp / "work")
         (tmp / SPLIT_FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
         tmp.rename(root)  # atomic: data/ exists only complete
-    return train, heldout
+    return _load_split(root / "train"), _load_split(root / "heldout")
 
 
 def cache_ready(config: RunConfig) -> bool:
