@@ -55,7 +55,9 @@ def test_tree_file_holds_one_tree_per_dtype(tmp_path, caplog):
     write_tree_file(path, resolve_tree("chain-2"))  # a one-tree file of an older tune: replaced
     write_tree_file(path, resolve_tree("dynamic:depth=3,top_k=2,total_tokens=6"), "bf16", dtype="bfloat16")
     write_tree_file(path, resolve_tree("chain-1+lookup=3"), "fp32", dtype="float32")
-    write_tree_file(path, resolve_tree("dynamic:depth=4,top_k=3,total_tokens=12"), "bf16 again", dtype="bfloat16")
+    write_tree_file(
+        path, resolve_tree("dynamic:depth=4,top_k=3,total_tokens=12"), "bf16 again", dtype="bfloat16"
+    )
     assert list(yaml.safe_load(path.read_text())) == ["bfloat16", "float32"]
     assert read_tree_file(path, "float32") == resolve_tree("chain-1+lookup=3")
     wanted = {torch.bfloat16: "dynamic:depth=4,top_k=3,total_tokens=12", torch.float32: "chain-1+lookup=3"}
@@ -185,7 +187,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         tokens=12345,
     )
     names = sorted(p.name for p in dest.iterdir())
-    assert names == ["README.md", "config.json", "model.safetensors", "training_config.yaml"]
+    assert names == ["README.md", "config.json", "model.safetensors", "stages.json", "training_config.yaml"]
     card = (dest / "README.md").read_text()
     header = card.split("---")[1]
     for key in (
@@ -245,3 +247,54 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
         "No benchmark was recorded",
     ):
         assert fact in card, fact
+
+
+def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_dir):
+    """A run continued from a published folder inherits its stages.json; a run stopped between
+    checkpoints counts up to its last checkpoint, with the tokens its steps fed (replayed from its
+    split), its wall time to its last logged row and its precision."""
+    from selfdraft.training.dataset import rows_to_dataset
+    from selfdraft.training.publish import STAGES_FILE, publish
+
+    torch.manual_seed(0)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None)
+    _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
+    first = tmp_path / "one.yaml"
+    first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
+    shipped = publish(
+        tmp_path / "stage1", tmp_path / "shipped", target="smollm2-135m-instruct", config_path=first
+    )
+    run = tmp_path / "stage2"
+    save_heads(model.heads, run / "heads")
+    (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2, "precision": "bfloat16"}))
+    log = [
+        {"step": 0, "event": "start", "examples": 12, "time": 1000.0},
+        {"step": 4, "loss": 1.0, "tokens_per_s_rank": 50.0, "time": 1100.0},
+        {
+            "step": 4,
+            "eval_loss": 1.0,
+            "eval_top1_by_depth": [0.6, 0.4],
+            "eval_simulated_tau_chain": 1.9,
+            "time": 1110.0,
+        },
+        {"step": 4, "event": "checkpoint", "time": 1120.0},
+        {"step": 6, "loss": 0.9, "tokens_per_s_rank": 50.0, "time": 1180.0},  # stopped before step 8's save
+    ]
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    rows = [{"id": str(i), "input_ids": [1] * 7, "loss_mask": [1] * 7} for i in range(12)]
+    rows_to_dataset(rows).save_to_disk(str(run / "data" / "train"))
+    second = tmp_path / "two.yaml"
+    second.write_text(
+        f"target: x\nheads:\n  init_from: {shipped}\ntrain:\n  micro_batch_size: 2\n  max_steps: 10\n"
+    )
+    dest = publish(run, tmp_path / "card", target="smollm2-135m-instruct", config_path=second)
+    card = (dest / "README.md").read_text()
+    for fact in (
+        f"Stage 1 of 2: `selfdraft train --config {first} --nproc 2`: 5 steps, world size 2",
+        f"Stage 2 of 2: `selfdraft train --config {second} --nproc 2`: 4 steps (stopped at a checkpoint; "
+        "10 planned), world size 2, 16 sequences (1.3 passes over its 12), 112 tokens, wall time 3.0 min",
+        "(2-core CPU, bfloat16)",
+        "by depth: 0.600, 0.400",
+    ):
+        assert fact in card, fact
+    assert len(json.loads((dest / STAGES_FILE).read_text())) == 2

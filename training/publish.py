@@ -7,6 +7,7 @@ wrote (log.jsonl, bench.json): nothing in the card is typed by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Sequence
@@ -24,29 +25,73 @@ BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 
 
+def _session_seconds(session: list[dict], heads_file: Path) -> float:
+    """Wall time of one session of a run's log: its own total when it ended ("done"); else, for a
+    session stopped early, from its start to its last timed row, or to the heads it last exported."""
+    done = [r for r in session if r.get("event") == "done"]
+    if done:
+        return done[-1].get("train_seconds", 0.0)
+    start = session[0].get("time")
+    last = max((r["time"] for r in session[1:] if "time" in r), default=None)
+    if last is None and heads_file.is_file():
+        last = heads_file.stat().st_mtime
+    return max(0.0, last - start) if start is not None and last is not None else 0.0
+
+
+def tokens_trained(run_dir: Path, steps: int, world: int, micro_batch: int, accumulation: int, seed: int):
+    """Tokens the first `steps` steps fed the heads, replayed from the run's split and its sample order
+    (`SampleStream`); None when the run folder no longer holds its training split."""
+    import datasets
+    import pyarrow.compute as pc
+
+    from selfdraft.training.batches import SampleStream
+
+    split = run_dir / "data" / "train"
+    if not split.is_dir():
+        return None
+    table = datasets.load_from_disk(str(split)).data.column("input_ids")
+    lengths = pc.list_value_length(table).to_pylist()
+    total = 0
+    for rank in range(world):
+        stream = SampleStream(len(lengths), seed, world, rank, micro_batch)
+        for m in range(steps * accumulation):
+            total += sum(lengths[i] for i in stream.micro_batch(m))
+    return total
+
+
 def run_summary(run_dir: Path, sequences_per_step: int = 0) -> dict:
-    """Steps, wall time, world size, tokens and the last held-out evaluation, from log.jsonl."""
+    """Steps, wall time, world size, precision and the last held-out evaluation, from log.jsonl.
+
+    A run stopped before its last step counts up to its last checkpoint: the heads it exported there
+    are what gets published."""
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     meta = json.loads((run_dir / RUN_FILE).read_text())
-    starts = [r for r in log if r.get("event") in ("start", "resume")]
-    done = [r for r in log if r.get("event") == "done"]
-    evals = [r for r in log if "eval_top1_by_depth" in r]
-    steps = max((r["step"] for r in log), default=0)
-    examples = starts[0].get("examples") if starts else None
+    starts = [i for i, r in enumerate(log) if r.get("event") in ("start", "resume")]
+    sessions = [log[a:b] for a, b in zip(starts, [*starts[1:], len(log)], strict=True)]
+    complete = any(r.get("event") == "done" for r in log)
+    saved = [r["step"] for r in log if r.get("event") == "checkpoint"]
+    steps = max((r["step"] for r in log), default=0) if complete or not saved else max(saved)
+    evals = [r for r in log if "eval_top1_by_depth" in r and r["step"] <= steps]
+    examples = log[starts[0]].get("examples") if starts else None
     seen = steps * sequences_per_step * meta["world_size"]
     return {
         "steps": steps,
+        "complete": complete,
         "sequences_seen": seen,
         "epochs": seen / examples if examples else 0.0,
-        "train_seconds": sum(r.get("train_seconds", 0.0) for r in done),
+        "train_seconds": sum(_session_seconds(s, run_dir / "heads" / "model.safetensors") for s in sessions),
         "sessions": len(starts),
         "world_size": meta["world_size"],
+        "precision": meta.get("precision", "float32"),  # runs before train.precision were float32
         "examples": examples,
         "last_eval": evals[-1] if evals else None,
         "throughput_tokens_per_s_per_rank": next(
             (r["tokens_per_s_rank"] for r in reversed(log) if "tokens_per_s_rank" in r), None
         ),
     }
+
+
+STAGES_FILE = "stages.json"  # a published folder's training history; a run continuing from it inherits it
 
 
 @dataclass(frozen=True)
@@ -63,7 +108,17 @@ def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str 
     from selfdraft.training.config import load_run_config
 
     train = load_run_config(config_path).train
-    summary = run_summary(Path(run_dir), train.micro_batch_size * train.gradient_accumulation_steps)
+    run_dir = Path(run_dir)
+    summary = run_summary(run_dir, train.micro_batch_size * train.gradient_accumulation_steps)
+    summary["planned_steps"] = train.max_steps
+    summary["tokens_trained"] = tokens_trained(
+        run_dir,
+        summary["steps"],
+        summary["world_size"],
+        train.micro_batch_size,
+        train.gradient_accumulation_steps,
+        train.seed,
+    )
     return Stage(
         config_path=str(config_path),
         config_text=Path(config_path).read_text(),
@@ -72,20 +127,41 @@ def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str 
     )
 
 
+def inherited_stages(config_path: str | Path) -> list[Stage]:
+    """The stages recorded in the heads folder the run continued from (`heads.init_from`), if any."""
+    from selfdraft.training.config import load_run_config
+
+    init_from = load_run_config(config_path).heads.init_from
+    path = Path(init_from) / STAGES_FILE if init_from else None
+    if path is None or not path.is_file():
+        return []
+    return [Stage(**stage) for stage in json.loads(path.read_text())]
+
+
 def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     last = stages[-1].summary
+    data = (
+        f"{tokens} tokens in {last['examples']} sequences"
+        if tokens is not None
+        else (f"{last['examples']} sequences")
+    )
     lines = [
         f"- Data: ShareGPT conversations (held-out split excluded), rendered with the target's chat template; "
-        f"labels are the target's own next-token distribution. Training tokens (cached target features): "
-        f"{tokens if tokens is not None else 'unknown'} in {last['examples']} sequences.",
+        f"labels are the target's own next-token distribution. Last stage's training split: {data}.",
     ]
     for i, stage in enumerate(stages, 1):
         s = stage.summary
         name = f"Stage {i} of {len(stages)}" if len(stages) > 1 else "Training"
+        planned = s.get("planned_steps")
+        partial = (
+            "" if s.get("complete", True) or not planned else f" (stopped at a checkpoint; {planned} planned)"
+        )
+        fed = f", {s['tokens_trained']} tokens" if s.get("tokens_trained") else ""
         lines.append(
-            f"- {name}: `{stage.command}`: {s['steps']} steps, world size {s['world_size']}, "
-            f"{s['sequences_seen']} sequences ({s['epochs']:.1f} passes over its {s['examples']}), "
-            f"wall time {s['train_seconds'] / 60:.1f} min over {s['sessions']} session(s) (2-core CPU, fp32)."
+            f"- {name}: `{stage.command}`: {s['steps']} steps{partial}, world size {s['world_size']}, "
+            f"{s['sequences_seen']} sequences ({s['epochs']:.1f} passes over its {s['examples']}){fed}, "
+            f"wall time {s['train_seconds'] / 60:.1f} min over {s['sessions']} session(s) "
+            f"(2-core CPU, {s.get('precision', 'float32')})."
         )
     if len(stages) > 1:
         lines.append(
@@ -228,18 +304,21 @@ def publish(
     """Write `dest` from the run `run_dir` trained with `config_path`.
 
     earlier: (run_dir, config_path) of the stages the run continued from (`heads.init_from`), oldest
-    first; the card states every stage and the folder keeps each stage's config.
+    first, after those recorded in the init_from folder's stages.json; the card states every stage
+    and the folder keeps each stage's config and its stages.json.
     benches: (bench.json, the command that wrote it) for each benchmark the card reports.
     """
     run_dir, dest = Path(run_dir), Path(dest)
     heads = load_heads(run_dir / "heads")
-    stages = [read_stage(r, c) for r, c in earlier] + [read_stage(run_dir, config_path, train_command)]
+    stages = inherited_stages(config_path) + [read_stage(r, c) for r, c in earlier]
+    stages.append(read_stage(run_dir, config_path, train_command))
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(heads, tmp, dtype=dtype)
     for i, stage in enumerate(stages[:-1], 1):
         (tmp / f"training_config.stage{i}.yaml").write_text(stage.config_text)
     (tmp / "training_config.yaml").write_text(stages[-1].config_text)
+    (tmp / STAGES_FILE).write_text(json.dumps([dataclasses.asdict(st) for st in stages], indent=1))
     if tree_file:
         shutil.copy(tree_file, tmp / "tree.yaml")
     (tmp / "README.md").write_text(

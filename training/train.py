@@ -285,11 +285,12 @@ class RunLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        record = {**record, "time": record.get("time", time.time())}  # a stopped run's wall time ends here
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
                     self.tb.add_scalar(key, value, record["step"])
                 elif isinstance(value, list):
                     for i, v in enumerate(value):
