@@ -58,8 +58,25 @@ def keep_positions(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> 
     keep: [m] long tensor of absolute cache positions >= prefix_len, in the order they are kept.
     Used after tree verification to retain only the accepted path's keys and values.
     """
-    index = torch.cat([torch.arange(prefix_len, device=keep.device), keep.to(torch.long)])
-    gather_rows(cache, torch.arange(1), index[None])
+    n = keep.numel()
+    for layer in _layers(cache):
+        _check_compactable(layer)
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            # only the kept tree entries move (indexing copies them first, so overlap is safe); the
+            # prefix stays where it is, instead of a gather re-copying every cached position each step
+            t[:, :, prefix_len : prefix_len + n] = t[:, :, keep.to(t.device)]
+            setattr(layer, name, t[:, :, : prefix_len + n])
+
+
+def _check_compactable(layer) -> None:
+    if getattr(layer, "is_sliding", False):
+        raise UserError(
+            "tree KV compaction of sliding-window cache layers is not supported; "
+            "load the target without a sliding window"
+        )
 
 
 def gather_rows(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor) -> None:
@@ -69,11 +86,7 @@ def gather_rows(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor) ->
     row (a batch's per-row compaction: each row's prefix and accepted path, re-padded to one length).
     """
     for layer in _layers(cache):
-        if getattr(layer, "is_sliding", False):
-            raise UserError(
-                "tree KV compaction of sliding-window cache layers is not supported; "
-                "load the target without a sliding window"
-            )
+        _check_compactable(layer)
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         for name in ("keys", "values"):
