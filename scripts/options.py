@@ -25,6 +25,16 @@ def add_precision_arguments(
     )
 
 
+def add_num_proc_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--num-proc",
+        type=int,
+        default=None,
+        help="processes that render the data splits (default: $SELFDRAFT_NUM_PROC, else one per 2,000 "
+        "records up to 8); the splits do not depend on it",
+    )
+
+
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",

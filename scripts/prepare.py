@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from selfdraft.scripts.options import add_device_argument, resolve_device
+from selfdraft.scripts.options import add_device_argument, add_num_proc_argument, resolve_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision", choices=("auto", "bf16", "fp32"), default=None, help="override train.precision"
     )
+    add_num_proc_argument(parser)
     add_device_argument(parser)
 
 
@@ -24,6 +25,7 @@ def prepare_from_config(
     fill_cache: bool = True,
     precision: str | None = None,
     device: str = "cpu",
+    num_proc: int | None = None,
 ) -> None:
     """Data splits, then the feature cache of both splits (unless `fill_cache` is False, e.g. a
     partial-cache run). The target runs on `device` in the run's train.precision there (auto: bf16 on
@@ -39,16 +41,21 @@ def prepare_from_config(
     if not (fill_cache and config.data.feature_cache):  # splits only: the tokenizer is enough
         from transformers import AutoTokenizer
 
-        prepare_splits(config, AutoTokenizer.from_pretrained(resolve_target_path(config.target)))
+        prepare_splits(config, AutoTokenizer.from_pretrained(resolve_target_path(config.target)), num_proc)
         return
     dtype = resolve_precision(config.train.precision, device)
     target, tokenizer = load_target(config.target, dtype=dtype, device=device)
-    train, heldout = prepare_splits(config, tokenizer)
+    train, heldout = prepare_splits(config, tokenizer, num_proc)
     prepare_features(config, target, train, batch_size=batch_size, heldout=heldout)  # resumable
 
 
 def run(args: argparse.Namespace) -> int:
     prepare_from_config(
-        args.config, args.output_dir, args.batch_size, precision=args.precision, device=resolve_device(args.device)
+        args.config,
+        args.output_dir,
+        args.batch_size,
+        precision=args.precision,
+        device=resolve_device(args.device),
+        num_proc=args.num_proc,
     )
     return 0

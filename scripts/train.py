@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from selfdraft.errors import UserError
+from selfdraft.scripts.options import add_num_proc_argument
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -29,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="override train.precision (auto: bf16 on CUDA and on CPUs with native bf16, else fp32)",
     )
+    add_num_proc_argument(parser)
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         args.output_dir,
         fill_cache=not config.data.partial_cache,
         precision=getattr(args, "precision", None),
+        num_proc=getattr(args, "num_proc", None),
     )
     cmd = torchrun_command(args)
     print("+", " ".join(cmd), file=sys.stderr, flush=True)

@@ -78,3 +78,15 @@ def test_generate_streams_and_reports(tiny_target_dir):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "tau" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_prepare_passes_num_proc_to_the_renderer(tmp_path, text_run):
+    """--num-proc reaches the split builder: 0 is a one-line error, 2 builds the splits."""
+    config = text_run()
+    cmd = [sys.executable, "-m", "selfdraft.scripts.cli", "prepare", "--config", str(config)]
+    bad = subprocess.run(cmd + ["--num-proc", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "num_proc must be at least 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    ok = subprocess.run(cmd + ["--num-proc", "2"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (tmp_path / "run" / "data" / "train").is_dir()
