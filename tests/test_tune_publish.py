@@ -295,6 +295,7 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
         "10 planned), world size 2, 16 sequences (1.3 passes over its 12), 112 tokens, wall time 3.0 min",
         "(2-core CPU, bfloat16)",
         "by depth: 0.600, 0.400",
+        "Last stage's training split: 84 tokens in 12 sequences",
     ):
         assert fact in card, fact
     assert len(json.loads((dest / STAGES_FILE).read_text())) == 2

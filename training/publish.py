@@ -38,9 +38,11 @@ def _session_seconds(session: list[dict], heads_file: Path) -> float:
     return max(0.0, last - start) if start is not None and last is not None else 0.0
 
 
-def tokens_trained(run_dir: Path, steps: int, world: int, micro_batch: int, accumulation: int, seed: int):
-    """Tokens the first `steps` steps fed the heads, replayed from the run's split and its sample order
-    (`SampleStream`); None when the run folder no longer holds its training split."""
+def tokens_trained(
+    run_dir: Path, steps: int, world: int, micro_batch: int, accumulation: int, seed: int
+) -> tuple[int, int] | None:
+    """(tokens the first `steps` steps fed the heads, tokens in the training split), replayed from the
+    run's split and its sample order (`SampleStream`); None when the run folder no longer holds it."""
     import datasets
     import pyarrow.compute as pc
 
@@ -56,7 +58,7 @@ def tokens_trained(run_dir: Path, steps: int, world: int, micro_batch: int, accu
         stream = SampleStream(len(lengths), seed, world, rank, micro_batch)
         for m in range(steps * accumulation):
             total += sum(lengths[i] for i in stream.micro_batch(m))
-    return total
+    return total, sum(lengths)
 
 
 def run_summary(run_dir: Path, sequences_per_step: int = 0) -> dict:
@@ -111,7 +113,7 @@ def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str 
     run_dir = Path(run_dir)
     summary = run_summary(run_dir, train.micro_batch_size * train.gradient_accumulation_steps)
     summary["planned_steps"] = train.max_steps
-    summary["tokens_trained"] = tokens_trained(
+    replayed = tokens_trained(
         run_dir,
         summary["steps"],
         summary["world_size"],
@@ -119,6 +121,7 @@ def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str 
         train.gradient_accumulation_steps,
         train.seed,
     )
+    summary["tokens_trained"], summary["split_tokens"] = replayed or (None, None)
     return Stage(
         config_path=str(config_path),
         config_text=Path(config_path).read_text(),
@@ -140,10 +143,11 @@ def inherited_stages(config_path: str | Path) -> list[Stage]:
 
 def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     last = stages[-1].summary
+    tokens = tokens if tokens is not None else last.get("split_tokens")
     data = (
-        f"{tokens} tokens in {last['examples']} sequences"
-        if tokens is not None
-        else (f"{last['examples']} sequences")
+        f"{last['examples']} sequences"
+        if tokens is None
+        else f"{tokens} tokens in {last['examples']} sequences"
     )
     lines = [
         f"- Data: ShareGPT conversations (held-out split excluded), rendered with the target's chat template; "
