@@ -307,9 +307,13 @@ class TreeSpec:
             if not frontier:
                 break
             yield Feed(grown, [node_of[c] for c in frontier], depth + 1)
-        # nodes in the order they were drafted (this tree's own order for trees built by from_paths), so
-        # a drafter's per-node records (the q a node's children were drawn from) index the result
-        return TreeSpec.from_parents(grown.parents, grown.ranks), torch.tensor(grown.tokens, dtype=torch.long)
+        # nodes in the order they were drafted, so a drafter's per-node records (the q a node's children
+        # were drawn from) index the result; for trees built by from_paths that is this tree's own order,
+        # and returning self keeps its cached properties instead of rebuilding a tree every step
+        tokens = torch.tensor(grown.tokens, dtype=torch.long)
+        if tuple(grown.parents) == self.parents and tuple(grown.ranks) == self.ranks:
+            return self, tokens
+        return TreeSpec.from_parents(grown.parents, grown.ranks), tokens
 
 
 # ---- a tree while it is drafted ---------------------------------------------------------------------
