@@ -10,7 +10,7 @@ The loop is `decoding.speculative_generate` for B rows at once:
     verify   ONE target pass over tokens [B, N], N = the step's largest tree; smaller trees are padded
              with dummy nodes that see only themselves and that no real node sees
     accept   per row, with its own generator: each row accepts its own prefix of its own tree
-    compact  per row: keep [0, len_b) + the accepted path, then re-pad to the longest row
+    compact  per row, in place: the accepted path moves to [len_b, len_b + k); the cache is cut at the longest row
     drop     rows that finished (stop token, budget, context) leave the batch and the cache
 
 The shared passes are what a batch saves (the target's and the head's weights are read once per
@@ -162,14 +162,15 @@ def _prefill(target, prompts: list[torch.Tensor], cache, pad_id: int) -> TargetP
     extra = {}
     if _takes_logits_to_keep(type(target)):  # [B, P, V] logits of a long batch can take gigabytes
         extra["logits_to_keep"] = torch.tensor(keep, device=device)
-    out = target(
-        input_ids=ids,
-        attention_mask=float_mask(allowed.to(device), dtype)[:, None],
-        position_ids=i.to(device)[None].expand(len(prompts), -1),
-        output_hidden_states=True,
-        **extra,
-        **kv.cache_kwargs(target, cache),
-    )
+    with kv.masked_gqa(device, width):
+        out = target(
+            input_ids=ids,
+            attention_mask=float_mask(allowed.to(device), dtype)[:, None],
+            position_ids=i.to(device)[None].expand(len(prompts), -1),
+            output_hidden_states=True,
+            **extra,
+            **kv.cache_kwargs(target, cache),
+        )
     column = [keep.index(n) for n in last] if extra else last
     logits = out.logits[torch.arange(len(prompts), device=device), torch.tensor(column, device=device)]
     return TargetPass(logits=logits, hidden_states=tuple(out.hidden_states))
@@ -200,33 +201,38 @@ def _verify_trees(
     prefix = torch.arange(physical)[None, :] < torch.tensor(lengths)[:, None]  # [B, physical]
     allowed = torch.cat([prefix[:, None, :].expand(-1, width, -1), tree_part], dim=2)
     dtype = target.get_input_embeddings().weight.dtype
-    out = target(
-        input_ids=tokens.to(device),
-        attention_mask=float_mask(allowed.to(device), dtype)[:, None],
-        position_ids=positions.to(device),
-        output_hidden_states=True,
-        **kv.cache_kwargs(target, cache),
-    )
+    with kv.masked_gqa(device, width):
+        out = target(
+            input_ids=tokens.to(device),
+            attention_mask=float_mask(allowed.to(device), dtype)[:, None],
+            position_ids=positions.to(device),
+            output_hidden_states=True,
+            **kv.cache_kwargs(target, cache),
+        )
     return TargetPass(logits=out.logits, hidden_states=tuple(out.hidden_states))
 
 
 def _compact_rows(
     cache, physical: int, keep_rows: list[int], lengths: list[int], paths: list[list[int]]
 ) -> list[int]:
-    """Per-row compaction and row dropping in one gather per layer.
+    """Per-row compaction and row dropping, in place.
 
-    For each kept batch row r (in order): slots [0, lengths[r]) followed by the tree slots
-    physical + paths[r]; then every row is re-padded (with slot 0's entry, never attended) to the
-    longest. Rows not in keep_rows leave the cache. Returns the new lengths, in keep_rows order.
+    For each kept batch row r (in order): slots [0, lengths[r]) stay, the tree slots physical +
+    paths[r] move to lengths[r], lengths[r] + 1, ...; the cache is then cut at the longest row (a
+    shorter row's slots past its length keep stale entries that no query attends). Rows not in
+    keep_rows leave the cache. Returns the new lengths, in keep_rows order.
     """
     new_lengths = [lengths[r] + len(paths[r]) for r in keep_rows]
     if not keep_rows:
         return []
-    index = torch.zeros(len(keep_rows), max(new_lengths), dtype=torch.long)
+    batch, src, dst = [], [], []
     for i, r in enumerate(keep_rows):
-        index[i, : lengths[r]] = torch.arange(lengths[r])
-        index[i, lengths[r] : new_lengths[i]] = physical + torch.tensor(paths[r], dtype=torch.long)
-    kv.gather_rows(cache, torch.tensor(keep_rows, dtype=torch.long), index)
+        batch += [i] * len(paths[r])
+        src += [physical + p for p in paths[r]]
+        dst += range(lengths[r], new_lengths[i])
+    rows = None if keep_rows == list(range(len(lengths))) else torch.tensor(keep_rows, dtype=torch.long)
+    batch_t, src_t, dst_t = (torch.tensor(x, dtype=torch.long) for x in (batch, src, dst))
+    kv.compact_rows(cache, rows, batch_t, src_t, dst_t, max(new_lengths))
     return new_lengths
 
 

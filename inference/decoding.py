@@ -115,13 +115,14 @@ def verify_tree(target, cache, tokens: torch.Tensor, spec: TreeSpec) -> TargetPa
     prefix = kv.cache_length(cache)
     dtype = target.get_input_embeddings().weight.dtype
     device = tokens.device
-    out = target(
-        input_ids=tokens[None],
-        attention_mask=tree_attention_mask(spec, prefix, dtype=dtype, device=device),
-        position_ids=tree_position_ids(spec, prefix, device=device),
-        output_hidden_states=True,
-        **kv.cache_kwargs(target, cache),
-    )
+    with kv.masked_gqa(device, spec.size):
+        out = target(
+            input_ids=tokens[None],
+            attention_mask=tree_attention_mask(spec, prefix, dtype=dtype, device=device),
+            position_ids=tree_position_ids(spec, prefix, device=device),
+            output_hidden_states=True,
+            **kv.cache_kwargs(target, cache),
+        )
     return TargetPass(logits=out.logits[0], hidden_states=tuple(out.hidden_states))
 
 

@@ -205,13 +205,14 @@ class EagleRows:
                 allowed[b, :n, width : width + n] = torch.ones(n, n, dtype=torch.bool).tril()
         for b, i, slot in ancestors:
             allowed[b, i, slot] = True
-        return self.heads(
-            ids.to(first.device),
-            x,
-            position_ids=pos.to(first.device),
-            attention_mask=float_mask(allowed.to(first.device), self.dtype)[:, None],
-            cache=self.cache,
-        )
+        with kv.masked_gqa(first.device, m):
+            return self.heads(
+                ids.to(first.device),
+                x,
+                position_ids=pos.to(first.device),
+                attention_mask=float_mask(allowed.to(first.device), self.dtype)[:, None],
+                cache=self.cache,
+            )
 
     @torch.no_grad()
     def begin(self, requests: dict[int, Begin]) -> None:
@@ -228,12 +229,11 @@ class EagleRows:
         out = self._append(tokens, feats, self.lengths, causal=True)
         new = [length + count for length, count in zip(self.lengths, counts, strict=True)]
         if any(length != start for length in self.lengths) or len(set(counts)) > 1:
-            # re-pack: row b keeps [0, lengths[b]) and its new pairs, padded with slot 0's filler
-            index = torch.zeros(rows, max(new), dtype=torch.long)
-            for b, length in enumerate(self.lengths):
-                index[b, :length] = torch.arange(length)
-                index[b, length : new[b]] = torch.arange(start, start + counts[b])
-            kv.gather_rows(self.cache, torch.arange(rows), index)
+            # re-pack in place: row b's new pairs move down to [lengths[b], new[b])
+            batch = torch.cat([torch.full((c,), b, dtype=torch.long) for b, c in enumerate(counts)])
+            src = torch.cat([torch.arange(start, start + c) for c in counts])
+            dst = torch.cat([torch.arange(length, n) for length, n in zip(self.lengths, new, strict=True)])
+            kv.compact_rows(self.cache, None, batch, src, dst, max(new))
         self.lengths = new
         self.tree_start = kv.cache_length(self.cache)
         self.slots = [{} for _ in range(rows)]
@@ -310,9 +310,8 @@ class EagleRows:
         if not keep:
             self.cache = kv.new_cache()
         elif kv.cache_length(self.cache):
-            width = max(self.lengths)
-            index = torch.arange(width)[None].expand(len(keep), width)
-            kv.gather_rows(self.cache, torch.tensor(keep, dtype=torch.long), index)
+            none = torch.empty(0, dtype=torch.long)
+            kv.compact_rows(self.cache, torch.tensor(keep, dtype=torch.long), none, none, none, max(self.lengths))
 
 
 class EagleDrafter:

@@ -19,6 +19,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=0.02,
+        help="skip the records of the held-out split (the benchmarks' prompts); use the runs' value",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="skip turns whose prompt is longer (a long prompt costs the whole batch; training "
+        "sequences are cut at data.max_length anyway); default: the context minus --max-new-tokens",
+    )
+    parser.add_argument(
+        "--first-turns", action="store_true", help="regenerate only each conversation's first answer"
+    )
+    parser.add_argument(
         "--precision",
         choices=("auto", "bf16", "fp32"),
         default="auto",
@@ -33,13 +49,25 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.training.config import resolve_precision
     from selfdraft.training.distill import regenerate_assistant_turns
 
+    if not 0 <= args.heldout_fraction < 1:
+        raise UserError(
+            f"--heldout-fraction {args.heldout_fraction} is outside [0, 1): pass the runs' value, e.g. 0.02"
+        )
     device = resolve_device(args.device)
     target, tokenizer = load_target(args.target, dtype=resolve_precision(args.precision, device), device=device)
     records = [r for r in load_source(args.source) if "messages" in r]
     if not records:
         raise UserError(f"{args.source} has no chat records to regenerate")
     out = regenerate_assistant_turns(
-        target, tokenizer, records, args.out, args.max_new_tokens, args.batch_size
+        target,
+        tokenizer,
+        records,
+        args.out,
+        args.max_new_tokens,
+        args.batch_size,
+        heldout_fraction=args.heldout_fraction,
+        first_turns=args.first_turns,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     print(f"wrote {out}")
     return 0

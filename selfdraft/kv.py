@@ -8,6 +8,9 @@ touches a cache goes through this module so a future rename is a one-line fix he
 from __future__ import annotations
 
 import inspect
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -79,11 +82,21 @@ def _check_compactable(layer) -> None:
         )
 
 
-def gather_rows(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor) -> None:
-    """Keep batch rows `rows` and, in row i of the result, the positions `index[i]`, in that order.
+def compact_rows(
+    cache: DynamicCache,
+    rows: torch.Tensor | None,
+    batch: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    length: int,
+) -> None:
+    """A batch's per-row compaction in place: keep batch rows `rows` (None: all, no copy), move entry
+    (batch[i], src[i]) to (batch[i], dst[i]) for every i, then cut every row at `length`.
 
-    rows: [B'] long (batch rows kept, in order); index: [B', L'] long absolute cache positions per kept
-    row (a batch's per-row compaction: each row's prefix and accepted path, re-padded to one length).
+    batch, src, dst: [n] long, batch indices counted after the row selection; dst[i] <= src[i] (an
+    accepted tree entry moves down to its row's prefix end). Only the moved entries are copied (the
+    indexing reads them all before writing, so overlaps are safe), unlike a gather, which
+    would re-copy every cached position.
     """
     for layer in _layers(cache):
         _check_compactable(layer)
@@ -91,10 +104,37 @@ def gather_rows(cache: DynamicCache, rows: torch.Tensor, index: torch.Tensor) ->
             continue
         for name in ("keys", "values"):
             t = getattr(layer, name)
-            if rows.numel() != t.shape[0] or bool((rows.cpu() != torch.arange(t.shape[0])).any()):
+            if rows is not None:
                 t = t.index_select(0, rows.to(t.device))
-            idx = index.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-            setattr(layer, name, t.gather(2, idx))
+            if batch.numel():
+                b = batch.to(t.device)
+                t[b, :, dst.to(t.device)] = t[b, :, src.to(t.device)]
+            setattr(layer, name, t[:, :, :length])
+
+
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextmanager
+def masked_gqa(device: torch.device | str, queries: int) -> Iterator[None]:
+    """Within: grouped-query attention under a custom mask without repeated keys/values, on CPU.
+
+    Given a mask and more than one query, transformers' SDPA path repeats every key/value head
+    `num_key_value_groups` times (a copy of the whole cache, per layer, per pass) because CUDA's fused
+    kernels take no mask with `enable_gqa`; torch's CPU kernel takes both, with the same results
+    (tree passes here: bit-identical logits). Single-query decoding already avoids the repeat, so
+    this gives a tree pass what plain decoding has, and leaves single-query passes on decoding's own
+    path (same rounding as `generate`). transformers reads the switch at every call; a version without
+    it simply repeats as before. Not thread-safe (the process environment).
+    """
+    if queries <= 1 or torch.device(device).type != "cpu" or _FORCE_GQA in os.environ:
+        yield
+        return
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[_FORCE_GQA]
 
 
 def check_model_takes_cache(model: PreTrainedModel) -> None:

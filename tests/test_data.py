@@ -388,7 +388,8 @@ def test_self_distillation_regenerates_and_resumes(tok, tmp_path):
         fh.write('{"id": "b", "messa')  # a run killed mid-write
     regenerate_assistant_turns(model, tok, convs, out, max_new_tokens=4, batch_size=2)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["a", "b", "c"]
+    assert [r["id"] for r in rows] == ["a", "c", "b"]  # each id once; a batch runs shortest prompts first
+    rows = [rows[0], rows[2], rows[1]]
 
     # each assistant turn is the target's greedy answer given the regenerated history
     history = []
@@ -414,3 +415,26 @@ def test_self_distillation_regenerates_and_resumes(tok, tmp_path):
     model.generate = fail
     regenerate_assistant_turns(model, tok, convs, out, max_new_tokens=4)
     assert load_user_dataset(out)[0]["messages"] == history
+
+
+def test_self_distillation_skips_heldout_and_keeps_first_turns(tok, tmp_path):
+    """The benchmarks' held-out prompts are never distilled; first_turns cuts each conversation after
+    its first answer; a prompt over max_prompt_tokens is written as skipped (not retried on resume)."""
+    model = _tiny_chat_model(len(tok))
+    convs = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}, *MULTI_TURN[2:]]}
+             for i in range(40)]  # fmt: skip
+    convs.append({"id": "long", "messages": [{"role": "user", "content": "word " * 300}, MULTI_TURN[2]]})
+    heldout = {c["id"] for c in convs if is_heldout(c, 0.3)}
+    assert 0 < len(heldout) < len(convs)
+    out = tmp_path / "first.jsonl"
+    regenerate_assistant_turns(
+        model, tok, convs, out, max_new_tokens=3, batch_size=8, heldout_fraction=0.3,
+        first_turns=True, max_prompt_tokens=64,
+    )  # fmt: skip
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {c["id"] for c in convs} - heldout
+    for rid, row in rows.items():
+        if rid == "long":
+            assert "skipped" in row and row["messages"][0]["role"] == "user"
+        else:
+            assert [m["role"] for m in row["messages"]] == ["user", "assistant"]

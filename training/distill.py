@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from selfdraft.splits import is_heldout
 from selfdraft.training.rendering import chat_text
 
 
@@ -87,9 +88,20 @@ def _regenerate_batch(
         last = max((i for i, m in enumerate(history) if m["role"] == "assistant"), default=-1)
         row = {"id": record["id"], "messages": history[: last + 1] if last >= 0 else history}
         if last < 0:
-            row["skipped"] = "prompt longer than the context"
+            row["skipped"] = "prompt longer than the context or the prompt limit"
         out.append(row)
     return out
+
+
+def first_turn(record: dict) -> dict:
+    """The record cut after its first assistant turn (system and first user turn kept)."""
+    messages = record["messages"]
+    end = next((i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return {**record, "messages": messages[:end]}
+
+
+def _prompt_chars(record: dict) -> int:
+    return sum(len(m["content"]) for m in record["messages"] if m["role"] != "assistant")
 
 
 def regenerate_assistant_turns(
@@ -99,24 +111,35 @@ def regenerate_assistant_turns(
     out_path: str | Path,
     max_new_tokens: int = 512,
     batch_size: int = 8,
+    heldout_fraction: float = 0.0,
+    first_turns: bool = False,
+    max_prompt_tokens: int | None = None,
 ) -> Path:
     """Self-distillation: rewrite each assistant turn with the target's own greedy answer (Medusa-2).
 
     conversations: records {"id", "messages"}; only system/user turns are kept, every assistant turn is
     regenerated given the regenerated history. Finished records are appended to a JSONL file (readable
     by `load_user_dataset`) and flushed per batch; ids already in the file are skipped, so a killed run
-    resumes where it stopped.
+    resumes where it stopped. Records in the held-out split (`splits.is_heldout`, the benchmarks'
+    prompts) are skipped: their regenerated copies would land in the held-out split anyway. With
+    `first_turns`, each record keeps only its first exchange. Batches group prompts of similar length
+    (less left padding); the file's order is therefore not the input's. A turn whose prompt exceeds
+    `max_prompt_tokens` (default: the context minus `max_new_tokens`) ends its conversation there.
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _finished_ids(out_path)
     todo, seen = [], set(done)
     for record in conversations:
-        if record["id"] not in seen:
-            seen.add(record["id"])
-            todo.append(record)
+        if record["id"] in seen or is_heldout(record, heldout_fraction):
+            continue
+        seen.add(record["id"])
+        todo.append(first_turn(record) if first_turns else record)
+    todo.sort(key=_prompt_chars)
     context = getattr(model.config, "max_position_embeddings", None) or 4096
     max_prompt = max(1, context - max_new_tokens)
+    if max_prompt_tokens is not None:
+        max_prompt = min(max_prompt, max_prompt_tokens)
     with (
         out_path.open("a", encoding="utf-8") as fh,
         tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distill", unit="conv") as bar,
