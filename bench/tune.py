@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ CANDIDATES = [
     "small+lookup=5",
     "chain-4+lookup=8",
     "small+lookup=8",
+    "dynamic:depth=3,top_k=3,total_tokens=6+lookup=5",
     "dynamic:depth=4,top_k=4,total_tokens=10+lookup=5",
 ]
 
@@ -63,6 +65,19 @@ def interpolate(curve: dict[int, float], size: float) -> float:
     return curve[sizes[-1]] * size / sizes[-1]
 
 
+def _drafted_shapes(model: SelfDraftModel, candidates: list[str]) -> dict:
+    """The candidates the heads can draft (the deeper ones are skipped, with a warning)."""
+    limit = getattr(model.heads, "max_draft_depth", None)
+    shapes = {c: resolve_tree(c) for c in candidates}
+    skipped = [c for c, shape in shapes.items() if limit is not None and shape.draft_depth > limit]
+    if skipped:
+        logger.warning("skipped %d trees deeper than the heads' %d levels: %s", len(skipped), limit, skipped)
+    shapes = {c: shape for c, shape in shapes.items() if c not in skipped}
+    if not shapes:
+        raise UserError(f"no candidate tree fits heads that draft {limit} levels; pass shallower --candidates")
+    return shapes
+
+
 def score_trees(
     model: SelfDraftModel,
     prompts: list[torch.Tensor],
@@ -74,14 +89,7 @@ def score_trees(
 ) -> list[TreeScore]:
     """Every candidate on every prompt (interleaved per prompt), at `temperature` (prompt i with seed
     seed + i, the same for every candidate); best expected tokens/s first."""
-    limit = getattr(model.heads, "max_draft_depth", None)
-    shapes = {c: resolve_tree(c) for c in candidates}
-    skipped = [c for c, shape in shapes.items() if limit is not None and shape.draft_depth > limit]
-    if skipped:
-        logger.warning("skipped %d trees deeper than the heads' %d levels: %s", len(skipped), limit, skipped)
-    shapes = {c: shape for c, shape in shapes.items() if c not in skipped}
-    if not shapes:
-        raise UserError(f"no candidate tree fits heads that draft {limit} levels; pass shallower --candidates")
+    shapes = _drafted_shapes(model, candidates)
     curve = curve or verify_cost_curve(model.target, [1, 2, 4, 8, 16, 32, 64])
     runs: dict[str, list] = {c: [] for c in shapes}
     for i, ids in enumerate(prompts):
@@ -100,7 +108,50 @@ def score_trees(
     return sorted(scores, key=lambda s: -s.expected_tokens_per_s)
 
 
-def tree_description(score: TreeScore) -> str:
+def score_trees_batched(
+    model: SelfDraftModel,
+    prompts: list[torch.Tensor],
+    candidates: list[str],
+    batch: int,
+    max_new_tokens: int = 64,
+) -> list[TreeScore]:
+    """Every candidate on batches of `batch` prompts (greedy, interleaved per batch); best measured
+    total tokens/s first. A shared pass verifies every row's tree, so no single-prompt verify curve
+    predicts a batch's cost: the score is measured throughput (`expected_tokens_per_s` repeats it).
+
+    prompts: [T] id tensors, taken in order in groups of `batch`, cycled when fewer than one group."""
+    shapes = _drafted_shapes(model, candidates)
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    groups = groups or [[prompts[i % len(prompts)] for i in range(batch)]]
+    model.generate(groups[0], 4, tree=next(iter(shapes.values())))  # warm-up, not measured
+    runs: dict[str, list] = {c: [] for c in shapes}
+    for group in groups:
+        for c, shape in shapes.items():  # interleaved per batch
+            start = time.perf_counter()
+            outs = model.generate(group, max_new_tokens, tree=shape)
+            runs[c].append((outs, time.perf_counter() - start))
+    scores = []
+    for c, done in runs.items():
+        outs = [o for group_outs, _ in done for o in group_outs]
+        passes = sum(o.stats.tree_passes for o in outs)
+        tau = sum(o.stats.mean_accepted * o.stats.tree_passes for o in outs) / max(1, passes)
+        size = sum(o.stats.tree_tokens for o in outs) / max(1, passes)
+        # the shared passes: the longest-running row of a batch took part in all of them
+        longest = [max(group_outs, key=lambda o: o.stats.tree_passes).stats for group_outs, _ in done]
+        steps = max(1, sum(st.tree_passes for st in longest))
+        draft = sum(st.draft_time for st in longest) / steps
+        verify = sum(st.verify_time for st in longest) / steps
+        measured = sum(len(o.tokens) for o in outs) / sum(seconds for _, seconds in done)
+        scores.append(TreeScore(c, tau, size, draft, verify, measured, measured))
+    return sorted(scores, key=lambda s: -s.measured_tokens_per_s)
+
+
+def tree_description(score: TreeScore, batch: int = 1) -> str:
+    if batch > 1:
+        return (
+            f"chosen by selfdraft tune at batch {batch}: tau {score.tau:.2f}, {score.tree_tokens:.1f} tokens "
+            f"per row per pass, measured {score.measured_tokens_per_s:.1f} tok/s in total"
+        )
     return (
         f"chosen by selfdraft tune: tau {score.tau:.2f}, {score.tree_tokens:.1f} tokens per pass, "
         f"expected {score.expected_tokens_per_s:.1f} tok/s, measured {score.measured_tokens_per_s:.1f} tok/s"

@@ -16,7 +16,7 @@ from selfdraft.inference.decoding import GenerationOutput, speculative_generate
 from selfdraft.precision import AUTO, dtype_name, parse_dtype, resolve_draft_dtype
 from selfdraft.target import load_target
 from selfdraft.tree import TreeShape
-from selfdraft.tree_syntax import TreeLike, resolve_tree
+from selfdraft.tree_syntax import TreeLike, is_tree_file, read_batch_trees, resolve_tree, tree_for_batch
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,9 @@ class SelfDraftModel:
         self.tree = self._fitting_tree(tree)
         given = tree if sampling_tree is None else sampling_tree
         self.sampling_tree = self._fitting_tree(given, sampling=True) if given is not None else self.tree
+        # greedy trees per batch size, from a tree file's `batch:` block (`selfdraft tune --batch B`)
+        batch = read_batch_trees(Path(tree), dtype_name(target.dtype)) if is_tree_file(tree) else {}
+        self.batch_trees = {size: self._fitting_tree(shape) for size, shape in batch.items()}
         warn_unapplied_generation_config(target)
 
     def _fitting_tree(self, tree: TreeLike | None, sampling: bool = False) -> TreeShape:
@@ -240,8 +243,12 @@ class SelfDraftModel:
         )
         if tree is not None:
             spec = self._fitting_tree(tree, sampling=temperature > 0)
+        elif temperature > 0:
+            spec = self.sampling_tree
+        elif is_batch(input_ids):
+            spec = tree_for_batch(self.batch_trees, len(input_ids), self.tree)
         else:
-            spec = self.sampling_tree if temperature > 0 else self.tree
+            spec = self.tree
         stops = self.default_stop_ids() if stop_token_ids is None else stop_token_ids
         vocab = self.target.get_input_embeddings().num_embeddings
         if is_batch(input_ids):

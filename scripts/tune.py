@@ -32,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="score trees at this temperature; > 0 writes the tree file's `sampling:` tree (used at T > 0)",
     )
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="tune the greedy tree for batches of this many prompts (scored by measured throughput); "
+        "written as the entry's `batch:` tree, used by generate() with at least that many prompts",
+    )
+    parser.add_argument(
         "--out",
         default=None,
         help="tree file to write this dtype's entry into (default HEADS/tree.yaml; other dtypes' entries stay)",
@@ -41,11 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.prompts import load_prompt_set
-    from selfdraft.bench.tune import CANDIDATES, score_trees, tree_description
+    from selfdraft.bench.tune import CANDIDATES, score_trees, score_trees_batched, tree_description
     from selfdraft.inference.model import TREE_FILE, SelfDraftModel
     from selfdraft.precision import dtype_name
     from selfdraft.tree_syntax import resolve_tree, write_tree_file
 
+    if args.batch < 1:
+        raise UserError(f"--batch {args.batch}: pass a batch size >= 1")
+    if args.batch > 1 and args.temperature > 0:
+        raise UserError("--batch tunes the greedy batch tree; drop --temperature (or --batch)")
     model = SelfDraftModel.from_pretrained(
         args.target, heads=args.heads, tree="chain-1", dtype=args.dtype, draft_dtype=args.draft_dtype
     )
@@ -55,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
         candidates = [c for c in candidates if resolve_tree(c).max_tokens <= args.max_tree_tokens]
         if not candidates:
             raise UserError(f"no candidate tree fits in {args.max_tree_tokens} tokens")
-    scores = score_trees(model, prompts, candidates, args.max_new_tokens, temperature=args.temperature)
+    if args.batch > 1:
+        ids = [p[0] for p in prompts]
+        scores = score_trees_batched(model, ids, candidates, args.batch, args.max_new_tokens)
+    else:
+        scores = score_trees(model, prompts, candidates, args.max_new_tokens, temperature=args.temperature)
     print(
         f"{'tree':42s} {'tau':>5s} {'size':>5s} {'draft ms':>8s} {'verify ms':>9s} {'expected':>8s} {'measured':>8s}"
     )
@@ -69,9 +84,19 @@ def run(args: argparse.Namespace) -> int:
     dtype = dtype_name(model.target.dtype)
     sampling = args.temperature > 0
     description = tree_description(best) + (f" at temperature {args.temperature:g}" if sampling else "")
+    if args.batch > 1:
+        description = tree_description(best, args.batch)
     write_tree_file(
-        out, resolve_tree(best.tree), description, dict(asdict(best)), dtype=dtype, sampling=sampling
+        out,
+        resolve_tree(best.tree),
+        description,
+        dict(asdict(best)),
+        dtype=dtype,
+        sampling=sampling,
+        batch=args.batch,
     )
     which = f"the T > 0 tree (tuned at {args.temperature:g})" if sampling else "the greedy tree"
+    if args.batch > 1:
+        which = f"the greedy tree for batches of {args.batch}+ prompts"
     print(f"chose {best.tree} as {which} for {dtype} -> {out}")
     return 0

@@ -9,6 +9,10 @@ every token. `selfdraft tune` writes the entry of the dtype it ran in and keeps 
 A tree may carry a `sampling:` block, itself a one-tree block: the tree for temperature > 0, where
 drawn children on a static tree (see `decoding.draws_children`) can beat the greedy choice
 (`selfdraft tune --temperature T` writes it).
+
+A tree may also carry a `batch:` block mapping batch sizes to one-tree blocks: the greedy tree for a
+batch of at least that many prompts (`selfdraft tune --batch B` writes it). One shared pass verifies
+B trees, so its cost grows with B x tree tokens and a batch wants a smaller tree than one prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ TreeLike = TreeShape | str | Sequence[Sequence[int]]
 DYNAMIC_KEYS = {"depth", "top_k", "total_tokens"}
 LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram"}
 LOOKUP_SUFFIX = "+lookup"
-FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured", "sampling"}
+FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured", "sampling", "batch"}
 DTYPE_KEYS = ("bfloat16", "float32", "float16")  # a per-dtype tree file's entries
 
 logger = logging.getLogger(__name__)
@@ -61,25 +65,54 @@ def _per_dtype(data: dict) -> bool:
     return bool(data) and set(data) <= set(DTYPE_KEYS)
 
 
+def _dtype_entry(path: Path, dtype: str | None) -> tuple[str, dict]:
+    """(where, block): the file's tree block for `dtype` (see `read_tree_file`)."""
+    data = _load_yaml(path)
+    if not _per_dtype(data):
+        return str(path), data
+    name = dtype if dtype in data else next(iter(data))
+    if dtype != name:
+        logger.warning("%s has no tree for %s; using its %s tree", path, dtype or "this dtype", name)
+    return f"{path} [{name}]", data[name]
+
+
 def read_tree_file(path: Path, dtype: str | None = None, sampling: bool = False) -> TreeShape:
     """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
-    `lookup: {tokens, max_ngram, min_ngram}` branch, an optional `sampling:` tree for T > 0, and an
-    optional `description:` / `measured:` block; anything else is rejected. Or such blocks under dtype
-    keys (see the module docstring): `dtype` ("bfloat16", "float32", ...) picks one; without an entry
-    for it (or without `dtype`) the first entry serves, with a warning, since any tree stays lossless.
-    sampling: the block's `sampling:` tree if it has one, else the block's own tree."""
-    data = _load_yaml(path)
-    where = str(path)
-    if _per_dtype(data):
-        name = dtype if dtype in data else next(iter(data))
-        if dtype != name:
-            logger.warning("%s has no tree for %s; using its %s tree", path, dtype or "this dtype", name)
-        where, data = f"{path} [{name}]", data[name]
+    `lookup: {tokens, max_ngram, min_ngram}` branch, optional `sampling:` (T > 0) and `batch:` trees,
+    and an optional `description:` / `measured:` block; anything else is rejected. Or such blocks
+    under dtype keys (see the module docstring): `dtype` ("bfloat16", "float32", ...) picks one;
+    without an entry for it (or without `dtype`) the first entry serves, with a warning, since any
+    tree stays lossless. sampling: the block's `sampling:` tree if it has one, else its own tree."""
+    where, data = _dtype_entry(path, dtype)
+    batch_trees(where, data)  # a bad `batch:` block fails when the file is read, not mid-batch
     if sampling and isinstance(data, dict) and "sampling" in data:
         where, data = f"{where} [sampling]", data["sampling"]
-        if isinstance(data, dict) and "sampling" in data:
-            raise UserError(f"{where}: a `sampling:` tree cannot hold another one")
+        if isinstance(data, dict) and {"sampling", "batch"} & set(data):
+            raise UserError(f"{where}: a `sampling:` tree cannot hold `sampling:` or `batch:` trees")
     return _tree_block(where, data)
+
+
+def read_batch_trees(path: Path, dtype: str | None = None) -> dict[int, TreeShape]:
+    """The `batch:` trees of the file's `dtype` block: {batch size: greedy tree}, maybe empty."""
+    return batch_trees(*_dtype_entry(path, dtype))
+
+
+def batch_trees(where: str, data) -> dict[int, TreeShape]:
+    block = data.get("batch", {}) if isinstance(data, dict) else {}
+    if not isinstance(block, dict) or not all(isinstance(k, int) and k >= 2 for k in block):
+        raise UserError(f"{where}: `batch:` maps batch sizes (integers >= 2) to trees")
+    out = {}
+    for size, entry in sorted(block.items()):
+        if isinstance(entry, dict) and {"sampling", "batch"} & set(entry):
+            raise UserError(f"{where} [batch {size}]: a batch tree cannot hold `sampling:` or `batch:` trees")
+        out[size] = _tree_block(f"{where} [batch {size}]", entry)
+    return out
+
+
+def tree_for_batch(trees: dict[int, TreeShape], rows: int, default: TreeShape) -> TreeShape:
+    """The tree tuned for the largest batch size <= rows, else `default`."""
+    sizes = [size for size in trees if size <= rows]
+    return trees[max(sizes)] if sizes else default
 
 
 def _tree_block(where: str, data) -> TreeShape:
@@ -121,29 +154,41 @@ def write_tree_file(
     measured: dict | None = None,
     dtype: str | None = None,
     sampling: bool = False,
+    batch: int = 1,
 ):
     """Write one tree; with `dtype`, as that dtype's entry of a per-dtype file, keeping the file's
     other dtypes' entries (a one-tree file it replaces). sampling: write it as the entry's `sampling:`
-    tree (for T > 0), keeping the entry's greedy tree; otherwise an existing `sampling:` tree stays."""
+    tree (for T > 0); batch > 1: as the entry's greedy tree for batches of `batch` prompts; either way
+    the entry's other trees stay (writing the entry's own greedy tree keeps its `sampling:` and
+    `batch:` trees)."""
     data: dict = {"description": description} if description else {}
     data.update(_shape_fields(tree))
     if measured:
         data["measured"] = measured
     if dtype is not None and dtype not in DTYPE_KEYS:
         raise UserError(f"no tree entry for dtype {dtype!r}; use one of {', '.join(DTYPE_KEYS)}")
+    if sampling and batch > 1:
+        raise UserError("a batch tree is a greedy tree; tune it at temperature 0")
     old = _load_yaml(path) if Path(path).is_file() else {}
     entries = dict(old) if _per_dtype(old) else {}
     previous = entries.get(dtype, {}) if dtype is not None else old
+    if (sampling or batch > 1) and not previous:
+        raise UserError(f"{path}: write the single-prompt greedy tree (tune at temperature 0) first")
     if sampling:
-        if not previous:
-            raise UserError(f"{path}: write the greedy tree (tune at temperature 0) before a sampling tree")
         data = {**previous, "sampling": data}
-    elif "sampling" in previous:
-        data["sampling"] = previous["sampling"]
+    elif batch > 1:
+        data = {**previous, "batch": {**previous.get("batch", {}), batch: data}}
+        data["batch"] = dict(sorted(data["batch"].items()))
+    else:
+        data.update({k: previous[k] for k in ("sampling", "batch") if k in previous})
     if dtype is not None:
         merged = {**entries, dtype: data}
         data = {k: merged[k] for k in DTYPE_KEYS if k in merged}
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+def is_tree_file(tree: TreeLike) -> bool:
+    return isinstance(tree, str | Path) and Path(tree).suffix in (".yaml", ".yml") and Path(tree).is_file()
 
 
 def resolve_tree(tree: TreeLike, dtype: str | None = None, sampling: bool = False) -> TreeShape:
@@ -169,9 +214,8 @@ def resolve_tree(tree: TreeLike, dtype: str | None = None, sampling: bool = Fals
         return NAMED_TREES[tree]
     if tree.startswith("chain-") and tree[6:].isdigit():
         return TreeSpec.chain(int(tree[6:]))
-    path = Path(tree)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return read_tree_file(path, dtype, sampling)
+    if is_tree_file(tree):
+        return read_tree_file(Path(tree), dtype, sampling)
     raise UserError(
         f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, dynamic:..., "
         "a YAML file, optionally followed by +lookup[=K]"

@@ -7,9 +7,9 @@ import pytest
 import torch
 import yaml
 
-from selfdraft.bench.tune import interpolate, score_trees, tree_description
+from selfdraft.bench.tune import interpolate, score_trees, score_trees_batched, tree_description
 from selfdraft.heads import HeadsConfig, build_heads, save_heads
-from selfdraft.inference import SelfDraftModel
+from selfdraft.inference import SelfDraftModel, batch
 from selfdraft.inference.model import TREE_FILE
 from selfdraft.tree_syntax import resolve_tree, write_tree_file
 
@@ -107,6 +107,60 @@ def test_tree_file_sampling_tree_serves_temperatures_above_zero(tmp_path):
     assert used == [resolve_tree("chain-2"), resolve_tree("small")]
     # a one-tree file without a sampling tree: T > 0 uses the greedy tree
     assert SelfDraftModel(target, None, model.heads, tree="chain-1").sampling_tree == resolve_tree("chain-1")
+
+
+def test_tree_file_batch_trees_serve_batches_of_at_least_their_size(tmp_path):
+    """tune --batch B writes a `batch:` tree into the dtype's entry; generate() on a list of n prompts
+    drafts with the tree of the largest B <= n (greedy only), one prompt with the entry's own tree;
+    re-tuning the single-prompt tree keeps the batch trees; a bad `batch:` block is refused on load."""
+    from selfdraft.tree_syntax import read_batch_trees
+
+    from tiny_models import tiny_target
+
+    heads_dir = tmp_path / "heads"
+    target = tiny_target()
+    save_heads(build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")), heads_dir)
+    path = heads_dir / TREE_FILE
+    with pytest.raises(ValueError, match="first"):
+        write_tree_file(path, resolve_tree("chain-1"), dtype="float32", batch=4)
+    write_tree_file(path, resolve_tree("dynamic:depth=2,top_k=2,total_tokens=4"), dtype="float32")
+    write_tree_file(path, resolve_tree("chain-1"), "b8", dtype="float32", batch=8)
+    write_tree_file(path, resolve_tree("chain-2"), "b4", dtype="float32", batch=4)
+    write_tree_file(path, resolve_tree("small"), "drawn", dtype="float32", sampling=True)
+    write_tree_file(path, resolve_tree("chain-3"), dtype="float32")  # re-tuned single-prompt tree
+    assert list(read_batch_trees(path, "float32")) == [4, 8]
+    model = SelfDraftModel.with_heads(target, None, heads_dir, draft_dtype=None)
+    used = []
+    real = batch.batched_speculative_generate
+
+    def spy(*args, **kwargs):
+        used.append(kwargs["spec"])
+        return real(*args, **kwargs)
+
+    prompts = [torch.tensor([1, 2, 3 + i]) for i in range(9)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("selfdraft.inference.model.batched_speculative_generate", spy)
+        for n in (2, 4, 7, 9):
+            model.generate(prompts[:n], 2)
+        model.generate(prompts[:4], 2, temperature=0.7, seed=0)
+    names = ["chain-3", "chain-2", "chain-2", "chain-1", "small"]
+    assert used == [resolve_tree(name) for name in names]
+    with pytest.raises(ValueError, match="greedy"):
+        write_tree_file(path, resolve_tree("chain-1"), dtype="float32", sampling=True, batch=4)
+    path.write_text("float32: {paths: [[0]], batch: {1: {paths: [[0]]}}}\n")
+    with pytest.raises(ValueError, match="integers >= 2"):
+        SelfDraftModel.with_heads(target, None, heads_dir, draft_dtype=None)
+
+
+def test_tune_at_a_batch_size_scores_measured_throughput(tmp_path, tiny_target_dir):
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, head_kind="eagle", tree="chain-1")
+    prompts = [model.chat_ids(text)[0] for text in ("Say hello.", "Count to five.", "Name a color.")]
+    candidates = ["chain-1", "dynamic:depth=2,top_k=2,total_tokens=3"]
+    scores = score_trees_batched(model, prompts, candidates, batch=2, max_new_tokens=6)
+    assert {s.tree for s in scores} == set(candidates)
+    rates = [s.measured_tokens_per_s for s in scores]
+    assert rates == sorted(rates, reverse=True) and all(r > 0 for r in rates)
+    assert all(s.tau >= 1.0 and s.verify_s > 0 and s.draft_s > 0 for s in scores)
 
 
 def _fake_run(run: Path, model, steps: int, examples: int, seconds: float) -> None:
