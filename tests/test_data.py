@@ -419,13 +419,15 @@ def test_self_distillation_regenerates_and_resumes(tok, tmp_path):
 
 def test_self_distillation_skips_heldout_and_keeps_first_turns(tok, tmp_path):
     """The benchmarks' held-out prompts are never distilled; first_turns cuts each conversation after
-    its first answer; a prompt over max_prompt_tokens is written as skipped (not retried on resume)."""
+    its first answer; a prompt over max_prompt_tokens, or an empty question, is written as skipped
+    (not retried on resume)."""
     model = _tiny_chat_model(len(tok))
     convs = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}, *MULTI_TURN[2:]]}
              for i in range(40)]  # fmt: skip
     convs.append({"id": "long", "messages": [{"role": "user", "content": "word " * 300}, MULTI_TURN[2]]})
+    convs.append({"id": "blank", "messages": [{"role": "user", "content": " \t\n"}, MULTI_TURN[2]]})
     heldout = {c["id"] for c in convs if is_heldout(c, 0.3)}
-    assert 0 < len(heldout) < len(convs)
+    assert 0 < len(heldout) < len(convs) and not {"long", "blank"} & heldout
     out = tmp_path / "first.jsonl"
     regenerate_assistant_turns(
         model, tok, convs, out, max_new_tokens=3, batch_size=8, heldout_fraction=0.3,
@@ -434,7 +436,7 @@ def test_self_distillation_skips_heldout_and_keeps_first_turns(tok, tmp_path):
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {c["id"] for c in convs} - heldout
     for rid, row in rows.items():
-        if rid == "long":
-            assert "skipped" in row and row["messages"][0]["role"] == "user"
+        if rid in ("long", "blank"):  # an empty question is not answered either
+            assert "skipped" in row and [m["role"] for m in row["messages"]] == ["user"]
         else:
             assert [m["role"] for m in row["messages"]] == ["user", "assistant"]

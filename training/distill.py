@@ -70,8 +70,11 @@ def _regenerate_batch(
                 histories[j].append({"role": message["role"], "content": message["content"]})
         prompts = {}
         for j in asking:
-            if not histories[j]:
-                alive[j] = False  # an answer with no question: nothing to regenerate it from
+            asked = [m for m in histories[j] if m["role"] == "user"]
+            if not asked or not asked[-1]["content"].strip():
+                # an answer to no question (or to an empty one): the target's reply to nothing is one
+                # canned text, and hundreds of copies of it would skew the heads
+                alive[j] = False
                 continue
             text = chat_text(tokenizer, histories[j], add_generation_prompt=True)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -88,7 +91,7 @@ def _regenerate_batch(
         last = max((i for i, m in enumerate(history) if m["role"] == "assistant"), default=-1)
         row = {"id": record["id"], "messages": history[: last + 1] if last >= 0 else history}
         if last < 0:
-            row["skipped"] = "prompt longer than the context or the prompt limit"
+            row["skipped"] = "empty question, or a prompt longer than the context or the prompt limit"
         out.append(row)
     return out
 
