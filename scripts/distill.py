@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="the target's dtype while it generates (auto: bf16 on CUDA and on CPUs with native bf16)",
     )
+    parser.add_argument(
+        "--generator",
+        choices=("selfdraft", "target"),
+        default="selfdraft",
+        help="selfdraft: batched speculative generation with the shipped heads (a finished answer leaves "
+        "the batch; the same greedy answers, exact in fp32); target: the target's own batched generate",
+    )
     add_device_argument(parser)
 
 
@@ -54,12 +61,19 @@ def run(args: argparse.Namespace) -> int:
             f"--heldout-fraction {args.heldout_fraction} is outside [0, 1): pass the runs' value, e.g. 0.02"
         )
     device = resolve_device(args.device)
-    target, tokenizer = load_target(args.target, dtype=resolve_precision(args.precision, device), device=device)
+    dtype = resolve_precision(args.precision, device)
+    if args.generator == "selfdraft":
+        from selfdraft.inference import SelfDraftModel
+
+        model = SelfDraftModel.from_pretrained(args.target, dtype=dtype, device=device)
+        tokenizer = model.tokenizer
+    else:
+        model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     records = [r for r in load_source(args.source) if "messages" in r]
     if not records:
         raise UserError(f"{args.source} has no chat records to regenerate")
     out = regenerate_assistant_turns(
-        target,
+        model,
         tokenizer,
         records,
         args.out,

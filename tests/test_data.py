@@ -417,6 +417,31 @@ def test_self_distillation_regenerates_and_resumes(tok, tmp_path):
     assert load_user_dataset(out)[0]["messages"] == history
 
 
+def test_self_distillation_through_selfdraft_batches_writes_the_targets_answers(tok, tmp_path):
+    """Distilling through selfdraft's batched speculative generation (fp32, fresh heads) writes exactly
+    what the target's own batched generate writes, also when one row meets a stop token early."""
+    from selfdraft.inference import SelfDraftModel
+
+    model = _tiny_chat_model(len(tok))
+    convs = [
+        {"id": f"q{i}", "messages": [{"role": "user", "content": text}, MULTI_TURN[2]]}
+        for i, text in enumerate(["hello", "what is two plus two", "name a prime", "write a loop in python"])
+    ]
+    convs.append({"id": "multi", "messages": MULTI_TURN})
+    prompt = tok.apply_chat_template(convs[0]["messages"][:1], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    model.generation_config.eos_token_id = int(greedy[0, ids.shape[1] + 3])  # row "q0" stops at its 4th token
+    plain, drafted = tmp_path / "plain.jsonl", tmp_path / "drafted.jsonl"
+    regenerate_assistant_turns(model, tok, convs, plain, max_new_tokens=10, batch_size=3)
+    drafter = SelfDraftModel.with_heads(model, tok, heads=None, tree="chain-2", draft_dtype=torch.float32)
+    regenerate_assistant_turns(drafter, tok, convs, drafted, max_new_tokens=10, batch_size=3)
+    assert drafted.read_text() == plain.read_text()
+    rows = {r["id"]: r for r in map(json.loads, plain.read_text().splitlines())}
+    lengths = {rid: len(tok(r["messages"][1]["content"])["input_ids"]) for rid, r in rows.items()}
+    assert lengths["q0"] < max(lengths.values())  # the early stop really happened in a longer batch
+
+
 def test_self_distillation_skips_heldout_and_keeps_first_turns(tok, tmp_path):
     """The benchmarks' held-out prompts are never distilled; first_turns cuts each conversation after
     its first answer; a prompt over max_prompt_tokens, or an empty question, is written as skipped

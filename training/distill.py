@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from selfdraft.inference.model import SelfDraftModel
 from selfdraft.splits import is_heldout
 from selfdraft.training.rendering import chat_text
 
@@ -27,33 +28,64 @@ def _finished_ids(out_path: Path) -> set[str]:
     return {json.loads(line)["id"] for line in data[:keep].splitlines() if line.strip()}
 
 
-@torch.no_grad()
-def _generate_greedy(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
-    """Greedy continuations of token prompts, batched with left padding."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    eos = model.generation_config.eos_token_id
+GreedyFn = Callable[[list[list[int]], int], list[list[int]]]
+"""(token prompts, max_new_tokens) -> each prompt's greedy continuation, stop token included if met."""
+
+
+def stop_ids(target, tokenizer) -> list[int]:
+    """The target's stop ids plus the tokenizer's end-of-turn: a chat answer ends at either."""
+    eos = target.generation_config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)  # the template's end-of-turn must stop generation
-    out = model.generate(
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention_mask.to(model.device),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=pad_id,
-    )
-    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+def target_greedy(model, tokenizer) -> GreedyFn:
+    """The target's own batched `generate` (left padding). Every row runs until the batch's longest
+    answer ends, so a batch with one long answer costs as much as all answers long."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = stop_ids(model, tokenizer)
+
+    @torch.no_grad()
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        out = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad_id,
+        )
+        return [row[width:].tolist() for row in out]
+
+    return generate
+
+
+def selfdraft_greedy(model: SelfDraftModel, tokenizer) -> GreedyFn:
+    """selfdraft's batched speculative `generate`: the same greedy answers (token-identical in float32;
+    bf16 can part at near-ties of the target's logits), but a finished row leaves the batch, so short
+    answers stop costing as soon as they end, and each step can accept several tokens."""
+    eos = stop_ids(model.target, tokenizer)
+
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        device = model.target.device
+        outs = model.generate(
+            [torch.tensor(p, device=device) for p in prompts], max_new_tokens, stop_token_ids=eos
+        )
+        return [out.tokens for out in outs]
+
+    return generate
 
 
 def _regenerate_batch(
-    model, tokenizer, batch: list[dict], max_new_tokens: int, max_prompt: int
+    generate: GreedyFn, tokenizer, batch: list[dict], max_new_tokens: int, max_prompt: int
 ) -> list[dict]:
     """Replace every assistant turn of each conversation, turn by turn, feeding back the new answers."""
     histories: list[list[dict]] = [[] for _ in batch]
@@ -83,9 +115,10 @@ def _regenerate_batch(
             else:
                 prompts[j] = ids
         if prompts:
-            replies = _generate_greedy(model, tokenizer, list(prompts.values()), max_new_tokens)
+            replies = generate(list(prompts.values()), max_new_tokens)
             for j, reply in zip(prompts, replies, strict=True):
-                histories[j].append({"role": "assistant", "content": reply})
+                text = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                histories[j].append({"role": "assistant", "content": text})
     out = []
     for record, history in zip(batch, histories, strict=True):
         last = max((i for i, m in enumerate(history) if m["role"] == "assistant"), default=-1)
@@ -120,6 +153,9 @@ def regenerate_assistant_turns(
 ) -> Path:
     """Self-distillation: rewrite each assistant turn with the target's own greedy answer (Medusa-2).
 
+    model: the target (answers from its own batched `generate`) or a `SelfDraftModel` (answers from
+    selfdraft's batched generation: finished rows leave the batch; see `selfdraft_greedy`).
+
     conversations: records {"id", "messages"}; only system/user turns are kept, every assistant turn is
     regenerated given the regenerated history. Finished records are appended to a JSONL file (readable
     by `load_user_dataset`) and flushed per batch; ids already in the file are skipped, so a killed run
@@ -139,7 +175,11 @@ def regenerate_assistant_turns(
         seen.add(record["id"])
         todo.append(first_turn(record) if first_turns else record)
     todo.sort(key=_prompt_chars)
-    context = getattr(model.config, "max_position_embeddings", None) or 4096
+    if isinstance(model, SelfDraftModel):
+        target, generate = model.target, selfdraft_greedy(model, tokenizer)
+    else:
+        target, generate = model, target_greedy(model, tokenizer)
+    context = getattr(target.config, "max_position_embeddings", None) or 4096
     max_prompt = max(1, context - max_new_tokens)
     if max_prompt_tokens is not None:
         max_prompt = min(max_prompt, max_prompt_tokens)
@@ -149,7 +189,7 @@ def regenerate_assistant_turns(
     ):
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            for row in _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt):
+            for row in _regenerate_batch(generate, tokenizer, batch, max_new_tokens, max_prompt):
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
