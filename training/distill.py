@@ -29,7 +29,8 @@ def _finished_ids(out_path: Path) -> set[str]:
 
 
 GreedyFn = Callable[[list[list[int]], int], list[list[int]]]
-"""(token prompts, max_new_tokens) -> each prompt's greedy continuation, stop token included if met."""
+"""(token prompts, max_new_tokens) -> each prompt's greedy continuation (a stop token ends it; padding after
+it, if any, is a special token that decoding drops)."""
 
 
 def stop_ids(target, tokenizer) -> list[int]:

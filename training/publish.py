@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
@@ -141,6 +142,15 @@ def inherited_stages(config_path: str | Path) -> list[Stage]:
     return [Stage(**stage) for stage in json.loads(path.read_text())]
 
 
+def _sources_line(stage: Stage) -> str:
+    """The stage's `data.sources` as the card names them (a config that cannot be read: its sources unnamed)."""
+    try:
+        sources = (yaml.safe_load(stage.config_text) or {}).get("data", {}).get("sources") or []
+    except yaml.YAMLError:
+        sources = []
+    return "sources " + ", ".join(f"`{s}`" for s in sources) if sources else "the run's sources"
+
+
 def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     last = stages[-1].summary
     tokens = tokens if tokens is not None else last.get("split_tokens")
@@ -150,7 +160,7 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
         else f"{tokens} tokens in {last['examples']} sequences"
     )
     lines = [
-        f"- Data: ShareGPT conversations (held-out split excluded), rendered with the target's chat template; "
+        f"- Data: {_sources_line(stages[-1])} (held-out split excluded), rendered with the target's chat template; "
         f"labels are the target's own next-token distribution. Last stage's training split: {data}.",
     ]
     for i, stage in enumerate(stages, 1):
