@@ -183,7 +183,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None)
     _fake_run(run, model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
-    config.write_text("target: x\n")
+    config.write_text("target: x\ndata:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n")
     bench = tmp_path / "bench.json"
     bench.write_text(
         json.dumps(
@@ -266,6 +266,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         "| sharegpt:4 | selfdraft:shipped | 0 | 2.30 | 30.0 | 1.60x | 3/4 (1 near-tie) |",
         "between a 1-token and a many-token forward in its dtype",
         "`selfdraft:shipped` 1.60x-1.60x.",
+        "Data: sources `runs/distilled.jsonl`, `sharegpt:100` (held-out split excluded)",  # the run's own
     ):
         assert fact in card, fact
 
