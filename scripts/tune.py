@@ -83,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.heads) / TREE_FILE
     dtype = dtype_name(model.target.dtype)
     sampling = args.temperature > 0
-    description = tree_description(best) + (f" at temperature {args.temperature:g}" if sampling else "")
-    if args.batch > 1:
-        description = tree_description(best, args.batch)
+    description = tree_description(best, args.batch) + (f" at temperature {args.temperature:g}" if sampling else "")
     write_tree_file(
         out,
         resolve_tree(best.tree),
