@@ -128,7 +128,12 @@ def _dequantize_embedded(model: EmbeddedModel, dest: Path) -> None:
         plain.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         (out_dir / "SOURCE").write_text(f"{model.name}\nsha256 {model.sha256}\n")
-        out_dir.rename(dest)  # atomic: a killed conversion never leaves a half-written cache entry
+        try:
+            out_dir.rename(dest)  # atomic: a killed conversion never leaves a half-written cache entry
+        except OSError:
+            # another process converting the same pinned file finished first: its entry is the same
+            if not (dest / "config.json").is_file():
+                raise
 
 
 def resolve_target_path(name_or_path: str) -> str:

