@@ -13,7 +13,7 @@ from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_hea
 from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.batch import batched_speculative_generate, is_batch, row_seeds
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
-from selfdraft.precision import AUTO, dtype_name, parse_dtype, resolve_draft_dtype
+from selfdraft.precision import AUTO, dtype_name, machine_kind, parse_dtype, resolve_draft_dtype
 from selfdraft.target import load_target
 from selfdraft.tree import TreeShape
 from selfdraft.tree_syntax import TreeLike, is_tree_file, read_batch_trees, resolve_tree, tree_for_batch
@@ -124,12 +124,18 @@ class SelfDraftModel:
         given = tree if sampling_tree is None else sampling_tree
         self.sampling_tree = self._fitting_tree(given, sampling=True) if given is not None else self.tree
         # greedy trees per batch size, from a tree file's `batch:` block (`selfdraft tune --batch B`)
-        batch = read_batch_trees(Path(tree), dtype_name(target.dtype)) if is_tree_file(tree) else {}
+        machine = machine_kind(target.device)
+        batch = read_batch_trees(Path(tree), dtype_name(target.dtype), machine) if is_tree_file(tree) else {}
         self.batch_trees = {size: self._fitting_tree(shape) for size, shape in batch.items()}
         warn_unapplied_generation_config(target)
 
     def _fitting_tree(self, tree: TreeLike | None, sampling: bool = False) -> TreeShape:
-        shape = resolve_tree(DEFAULT_TREE if tree is None else tree, dtype_name(self.target.dtype), sampling)
+        shape = resolve_tree(
+            DEFAULT_TREE if tree is None else tree,
+            dtype_name(self.target.dtype),
+            sampling,
+            machine_kind(self.target.device),
+        )
         limit = getattr(self.heads, "max_draft_depth", None)
         if limit is None or shape.draft_depth <= limit:
             return shape

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tree file to write this dtype's entry into (default HEADS/tree.yaml; other dtypes' entries stay)",
     )
+    parser.add_argument(
+        "--this-machine",
+        action="store_true",
+        help="write the entry for this kind of machine only (e.g. bfloat16@cpu-avx512bf16), which it "
+        "uses instead of the dtype's entry; other kinds keep theirs",
+    )
     add_precision_arguments(parser)
 
 
@@ -50,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.prompts import load_prompt_set
     from selfdraft.bench.tune import CANDIDATES, score_trees, score_trees_batched, tree_description
     from selfdraft.inference.model import TREE_FILE, SelfDraftModel
-    from selfdraft.precision import dtype_name
-    from selfdraft.tree_syntax import resolve_tree, write_tree_file
+    from selfdraft.precision import dtype_name, machine_kind
+    from selfdraft.tree_syntax import entry_key, resolve_tree, write_tree_file
 
     if args.batch < 1:
         raise UserError(f"--batch {args.batch}: pass a batch size >= 1")
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     best = scores[0]
     out = Path(args.out) if args.out else Path(args.heads) / TREE_FILE
     dtype = dtype_name(model.target.dtype)
+    machine = machine_kind(model.target.device) if args.this_machine else None
     sampling = args.temperature > 0
     description = tree_description(best, args.batch) + (f" at temperature {args.temperature:g}" if sampling else "")
     write_tree_file(
@@ -92,9 +99,10 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         sampling=sampling,
         batch=args.batch,
+        machine=machine,
     )
     which = f"the T > 0 tree (tuned at {args.temperature:g})" if sampling else "the greedy tree"
     if args.batch > 1:
         which = f"the greedy tree for batches of {args.batch}+ prompts"
-    print(f"chose {best.tree} as {which} for {dtype} -> {out}")
+    print(f"chose {best.tree} as {which} for {entry_key(dtype, machine)} -> {out}")
     return 0

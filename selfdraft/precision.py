@@ -45,26 +45,50 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise UserError(f"unknown dtype {name!r}: use auto or one of {sorted(set(DTYPES))}") from None
 
 
-def native_bf16(cpuinfo: str, machine: str) -> bool:
-    """Whether a CPU multiplies bf16 natively, from /proc/cpuinfo text and `platform.machine()`:
-    x86 AVX512-BF16 or AMX-BF16, Arm BF16. Without it oneDNN emulates bf16, slower than float32."""
+def _cpu_flags(cpuinfo: str) -> set[str]:
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
             flags.update(value.split())
+    return flags
+
+
+def native_bf16(cpuinfo: str, machine: str) -> bool:
+    """Whether a CPU multiplies bf16 natively, from /proc/cpuinfo text and `platform.machine()`:
+    x86 AVX512-BF16 or AMX-BF16, Arm BF16. Without it oneDNN emulates bf16, slower than float32."""
+    return cpu_kind(cpuinfo, machine) != "cpu"
+
+
+def cpu_kind(cpuinfo: str, machine: str) -> str:
+    """The class of matrix units a CPU multiplies with, which sets what a bigger verification block
+    costs: "cpu-amx" (AMX tiles: a 32-token bf16 pass costs about a 1-token one), "cpu-avx512bf16"
+    (AVX512-BF16 without AMX: the cost grows with the block), "cpu-armbf16", or "cpu" (no bf16 units)."""
+    flags = _cpu_flags(cpuinfo)
     if machine.lower() in ("aarch64", "arm64"):
-        return "bf16" in flags
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+        return "cpu-armbf16" if "bf16" in flags else "cpu"
+    if "amx_bf16" in flags:
+        return "cpu-amx"
+    return "cpu-avx512bf16" if "avx512_bf16" in flags else "cpu"
 
 
 @lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
+def this_cpu_kind() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: no cheap way to tell, so stay with float32
-        return False
-    return native_bf16(text, platform.machine())
+        return "cpu"
+    return cpu_kind(text, platform.machine())
+
+
+def cpu_has_native_bf16() -> bool:
+    return this_cpu_kind() != "cpu"
+
+
+def machine_kind(device: torch.device | str = "cpu") -> str:
+    """The kind of machine a model on `device` runs on, as tree files key their per-machine entries:
+    "cuda" for a GPU, else this CPU's kind (see `cpu_kind`)."""
+    return "cuda" if torch.device(device).type == "cuda" else this_cpu_kind()
 
 
 def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, target: torch.nn.Module) -> torch.dtype:

@@ -6,6 +6,12 @@ entries, each a one-tree block): the best tree depends on what verification cost
 over 32 tokens costs about what one token does on a CPU with bf16 matrix units, while fp32 pays for
 every token. `selfdraft tune` writes the entry of the dtype it ran in and keeps the others.
 
+How much a bigger block costs also depends on the machine (a CPU with AMX tiles verifies 32 bf16
+tokens for about the price of one; one with AVX512-BF16 alone pays ~1.9x), so a dtype may also have
+entries for one kind of machine, keyed `DTYPE@KIND` (`bfloat16@cpu-avx512bf16`, see
+`selfdraft.precision.machine_kind`): on that kind it replaces the dtype's entry, whose `sampling:`
+and `batch:` trees it inherits unless it has its own (`selfdraft tune --this-machine` writes it).
+
 A tree may carry a `sampling:` block, itself a one-tree block: the tree for temperature > 0, where
 drawn children on a static tree (see `decoding.draws_children`) can beat the greedy choice
 (`selfdraft tune --temperature T` writes it).
@@ -33,6 +39,8 @@ LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram"}
 LOOKUP_SUFFIX = "+lookup"
 FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured", "sampling", "batch"}
 DTYPE_KEYS = ("bfloat16", "float32", "float16")  # a per-dtype tree file's entries
+MACHINE_SEP = "@"  # `bfloat16@cpu-amx`: the bfloat16 entry for one kind of machine
+SUBTREE_KEYS = ("sampling", "batch")
 
 logger = logging.getLogger(__name__)
 
@@ -61,29 +69,55 @@ def _load_yaml(path: Path) -> dict:
     return data
 
 
+def entry_key(dtype: str, machine: str | None = None) -> str:
+    """The key of a per-dtype file's entry: `dtype`, or `dtype@machine` for one kind of machine."""
+    return f"{dtype}{MACHINE_SEP}{machine}" if machine else dtype
+
+
+def _is_entry_key(key) -> bool:
+    dtype, sep, machine = str(key).partition(MACHINE_SEP)
+    return dtype in DTYPE_KEYS and (not sep or bool(machine) and MACHINE_SEP not in machine)
+
+
+def _entry_order(key: str) -> tuple:
+    dtype, _, machine = key.partition(MACHINE_SEP)
+    return DTYPE_KEYS.index(dtype), machine
+
+
 def _per_dtype(data: dict) -> bool:
-    return bool(data) and set(data) <= set(DTYPE_KEYS)
+    return bool(data) and all(_is_entry_key(k) for k in data)
 
 
-def _dtype_entry(path: Path, dtype: str | None) -> tuple[str, dict]:
-    """(where, block): the file's tree block for `dtype` (see `read_tree_file`)."""
+def _dtype_entry(path: Path, dtype: str | None, machine: str | None = None) -> tuple[str, dict]:
+    """(where, block): the file's tree block for `dtype` on `machine` (see `read_tree_file`)."""
     data = _load_yaml(path)
     if not _per_dtype(data):
         return str(path), data
-    name = dtype if dtype in data else next(iter(data))
+    generic = [k for k in data if MACHINE_SEP not in k]
+    name = dtype if dtype in data else (generic or list(data))[0]
+    specific = entry_key(dtype, machine) if dtype and machine else None
+    if specific in data:
+        block, base = data[specific], data.get(dtype, {})
+        if isinstance(block, dict) and isinstance(base, dict):
+            block = {**{k: base[k] for k in SUBTREE_KEYS if k in base}, **block}
+        return f"{path} [{specific}]", block
     if dtype != name:
         logger.warning("%s has no tree for %s; using its %s tree", path, dtype or "this dtype", name)
     return f"{path} [{name}]", data[name]
 
 
-def read_tree_file(path: Path, dtype: str | None = None, sampling: bool = False) -> TreeShape:
+def read_tree_file(
+    path: Path, dtype: str | None = None, sampling: bool = False, machine: str | None = None
+) -> TreeShape:
     """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
     `lookup: {tokens, max_ngram, min_ngram}` branch, optional `sampling:` (T > 0) and `batch:` trees,
     and an optional `description:` / `measured:` block; anything else is rejected. Or such blocks
     under dtype keys (see the module docstring): `dtype` ("bfloat16", "float32", ...) picks one;
     without an entry for it (or without `dtype`) the first entry serves, with a warning, since any
-    tree stays lossless. sampling: the block's `sampling:` tree if it has one, else its own tree."""
-    where, data = _dtype_entry(path, dtype)
+    tree stays lossless. machine: this machine's kind; its `dtype@machine` entry, if the file has one,
+    serves instead of the dtype's. sampling: the block's `sampling:` tree if it has one, else its own
+    tree."""
+    where, data = _dtype_entry(path, dtype, machine)
     batch_trees(where, data)  # a bad `batch:` block fails when the file is read, not mid-batch
     if sampling and isinstance(data, dict) and "sampling" in data:
         where, data = f"{where} [sampling]", data["sampling"]
@@ -92,9 +126,10 @@ def read_tree_file(path: Path, dtype: str | None = None, sampling: bool = False)
     return _tree_block(where, data)
 
 
-def read_batch_trees(path: Path, dtype: str | None = None) -> dict[int, TreeShape]:
-    """The `batch:` trees of the file's `dtype` block: {batch size: greedy tree}, maybe empty."""
-    return batch_trees(*_dtype_entry(path, dtype))
+def read_batch_trees(path: Path, dtype: str | None = None, machine: str | None = None) -> dict[int, TreeShape]:
+    """The `batch:` trees of the file's `dtype` block (on `machine`): {batch size: greedy tree}, maybe
+    empty."""
+    return batch_trees(*_dtype_entry(path, dtype, machine))
 
 
 def batch_trees(where: str, data) -> dict[int, TreeShape]:
@@ -119,7 +154,7 @@ def _tree_block(where: str, data) -> TreeShape:
     if not isinstance(data, dict) or set(data) - FILE_KEYS or ("paths" in data) == ("dynamic" in data):
         raise UserError(
             f"{where}: a tree holds exactly one of `paths:` or `dynamic:` (keys: {sorted(FILE_KEYS)}); a "
-            f"file of one tree per dtype has only {', '.join(DTYPE_KEYS)} entries"
+            f"file of one tree per dtype has only {', '.join(DTYPE_KEYS)} (or DTYPE{MACHINE_SEP}KIND) entries"
         )
     if "dynamic" in data:
         options = data["dynamic"]
@@ -155,23 +190,27 @@ def write_tree_file(
     dtype: str | None = None,
     sampling: bool = False,
     batch: int = 1,
+    machine: str | None = None,
 ):
     """Write one tree; with `dtype`, as that dtype's entry of a per-dtype file, keeping the file's
     other dtypes' entries (a one-tree file it replaces). sampling: write it as the entry's `sampling:`
     tree (for T > 0); batch > 1: as the entry's greedy tree for batches of `batch` prompts; either way
     the entry's other trees stay (writing the entry's own greedy tree keeps its `sampling:` and
-    `batch:` trees)."""
+    `batch:` trees). machine: write the `dtype@machine` entry (for that kind of machine only)."""
     data: dict = {"description": description} if description else {}
     data.update(_shape_fields(tree))
     if measured:
         data["measured"] = measured
     if dtype is not None and dtype not in DTYPE_KEYS:
         raise UserError(f"no tree entry for dtype {dtype!r}; use one of {', '.join(DTYPE_KEYS)}")
+    if machine is not None and (dtype is None or not _is_entry_key(entry_key(dtype, machine))):
+        raise UserError(f"a machine entry needs a dtype and a kind without {MACHINE_SEP!r} (got {machine!r})")
+    key = entry_key(dtype, machine) if dtype is not None else None
     if sampling and batch > 1:
         raise UserError("a batch tree is a greedy tree; tune it at temperature 0")
     old = _load_yaml(path) if Path(path).is_file() else {}
     entries = dict(old) if _per_dtype(old) else {}
-    previous = entries.get(dtype, {}) if dtype is not None else old
+    previous = entries.get(key, {}) if key is not None else old
     if (sampling or batch > 1) and not previous:
         raise UserError(f"{path}: write the single-prompt greedy tree (tune at temperature 0) first")
     if sampling:
@@ -181,9 +220,9 @@ def write_tree_file(
         data["batch"] = dict(sorted(data["batch"].items()))
     else:
         data.update({k: previous[k] for k in ("sampling", "batch") if k in previous})
-    if dtype is not None:
-        merged = {**entries, dtype: data}
-        data = {k: merged[k] for k in DTYPE_KEYS if k in merged}
+    if key is not None:
+        merged = {**entries, key: data}
+        data = {k: merged[k] for k in sorted(merged, key=_entry_order)}
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
@@ -191,11 +230,13 @@ def is_tree_file(tree: TreeLike) -> bool:
     return isinstance(tree, str | Path) and Path(tree).suffix in (".yaml", ".yml") and Path(tree).is_file()
 
 
-def resolve_tree(tree: TreeLike, dtype: str | None = None, sampling: bool = False) -> TreeShape:
+def resolve_tree(
+    tree: TreeLike, dtype: str | None = None, sampling: bool = False, machine: str | None = None
+) -> TreeShape:
     """A TreeSpec, DynamicTree or LookupTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a
     tree YAML file (its `dtype` entry if it has one per dtype; with `sampling` its tree for T > 0 if
-    it has one), or a list of rank paths; a name may end in `+lookup[=K]` to graft a prompt-lookup
-    branch of up to K tokens on every drafted tree."""
+    it has one; its `dtype@machine` entry on that kind of machine), or a list of rank paths; a name
+    may end in `+lookup[=K]` to graft a prompt-lookup branch of up to K tokens on every drafted tree."""
     if isinstance(tree, TreeSpec | DynamicTree | LookupTree):
         return tree
     if not isinstance(tree, str):
@@ -215,7 +256,7 @@ def resolve_tree(tree: TreeLike, dtype: str | None = None, sampling: bool = Fals
     if tree.startswith("chain-") and tree[6:].isdigit():
         return TreeSpec.chain(int(tree[6:]))
     if is_tree_file(tree):
-        return read_tree_file(Path(tree), dtype, sampling)
+        return read_tree_file(Path(tree), dtype, sampling, machine)
     raise UserError(
         f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, dynamic:..., "
         "a YAML file, optionally followed by +lookup[=K]"

@@ -11,7 +11,7 @@ from selfdraft.bench.report import identical_cell
 from selfdraft.bench.run import mark_divergences
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.drafting import heads_dtype
-from selfdraft.precision import native_bf16, parse_dtype, resolve_draft_dtype
+from selfdraft.precision import cpu_kind, native_bf16, parse_dtype, resolve_draft_dtype
 
 from tiny_models import greedy_reference, random_heads, tiny_target
 
@@ -42,6 +42,10 @@ def test_native_bf16_flags():
     assert native_bf16(sapphire, "x86_64") and native_bf16(zen4, "x86_64")
     assert not native_bf16(avx2, "x86_64") and not native_bf16("", "x86_64")
     assert native_bf16(graviton3, "aarch64") and not native_bf16("Features\t: fp asimd\n", "aarch64")
+    kinds = [cpu_kind(sapphire, "x86_64"), cpu_kind(zen4, "x86_64"), cpu_kind(avx2, "x86_64")]
+    assert kinds == ["cpu-amx", "cpu-avx512bf16", "cpu"]
+    assert cpu_kind(graviton3, "aarch64") == "cpu-armbf16"
+    assert precision.machine_kind("cpu") == precision.this_cpu_kind() and precision.machine_kind("cuda") == "cuda"
 
 
 def test_resolve_draft_dtype(monkeypatch):

@@ -74,6 +74,46 @@ def test_tree_file_holds_one_tree_per_dtype(tmp_path, caplog):
         read_tree_file(path, "bfloat16")
 
 
+def test_tree_file_machine_entries_serve_their_kind_of_machine(tmp_path, monkeypatch):
+    """tune --this-machine writes `dtype@kind`; a model on that kind of machine drafts with it, and with
+    the dtype's `sampling:` / `batch:` trees where the machine entry has none; other kinds (and other
+    dtypes) keep the dtype's entry."""
+    from selfdraft.inference import model as model_mod
+    from selfdraft.tree_syntax import read_batch_trees, read_tree_file
+
+    from tiny_models import tiny_target
+
+    heads_dir = tmp_path / "heads"
+    target = tiny_target()
+    save_heads(build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")), heads_dir)
+    path = heads_dir / TREE_FILE
+    kind = "cpu-avx512bf16"
+    with pytest.raises(ValueError, match="greedy tree"):
+        write_tree_file(path, resolve_tree("small"), dtype="float32", sampling=True, machine=kind)
+    write_tree_file(path, resolve_tree("dynamic:depth=4,top_k=4,total_tokens=12"), dtype="float32")
+    write_tree_file(path, resolve_tree("small"), dtype="float32", sampling=True)
+    write_tree_file(path, resolve_tree("chain-1"), dtype="float32", batch=4)
+    write_tree_file(path, resolve_tree("chain-3"), "here", dtype="float32", machine=kind)
+    write_tree_file(path, resolve_tree("chain-2"), dtype="bfloat16")
+    assert list(yaml.safe_load(path.read_text())) == ["bfloat16", "float32", f"float32@{kind}"]
+    assert read_tree_file(path, "float32", machine=kind) == resolve_tree("chain-3")
+    assert read_tree_file(path, "float32", machine="cpu-amx") == resolve_tree("dynamic:depth=4,top_k=4,total_tokens=12")
+    assert read_tree_file(path, "bfloat16", machine=kind) == resolve_tree("chain-2")
+    assert read_tree_file(path, "float32", sampling=True, machine=kind) == resolve_tree("small")
+    assert read_batch_trees(path, "float32", kind) == {4: resolve_tree("chain-1")}
+    write_tree_file(path, resolve_tree("chain-2"), dtype="float32", sampling=True, machine=kind)
+    assert read_tree_file(path, "float32", sampling=True, machine=kind) == resolve_tree("chain-2")
+    assert read_tree_file(path, "float32", sampling=True) == resolve_tree("small")
+    for machine, want in ((kind, "chain-3"), ("cpu-amx", "dynamic:depth=4,top_k=4,total_tokens=12")):
+        monkeypatch.setattr(model_mod, "machine_kind", lambda device, machine=machine: machine)
+        model = SelfDraftModel.with_heads(target, None, heads_dir, draft_dtype=None)
+        assert model.tree == resolve_tree(want)
+        assert model.batch_trees == {4: resolve_tree("chain-1")}
+    for dtype, machine in ((None, kind), ("float32", "a@b")):
+        with pytest.raises(ValueError, match="machine entry"):
+            write_tree_file(path, resolve_tree("chain-1"), dtype=dtype, machine=machine)
+
+
 def test_tree_file_sampling_tree_serves_temperatures_above_zero(tmp_path):
     """tune --temperature T > 0 writes a `sampling:` tree next to the greedy one; the model drafts
     with it at T > 0 only; re-tuning the greedy tree keeps it."""
