@@ -126,3 +126,20 @@ def test_dataset_fingerprint_reads_rows_in_dataset_order(dataset):
     assert lengths == [len(row["input_ids"]) for row in shuffled]
     assert (lengths, fingerprint) == _lengths_and_fingerprint([dict(row) for row in shuffled])
     assert fingerprint != _lengths_and_fingerprint(dataset)[1]
+
+
+def test_online_features_skip_the_full_vocabulary_projection(model):
+    """The heads train on hidden states: the target's lm_head runs on the last position only, and the
+    features are those of a plain full forward."""
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    ids = torch.arange(2, 12)[None].repeat(2, 1)
+    try:
+        computed = compute_features(model, ids, LAYERS)["features"]
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([2, 1, 32])]
+    with torch.no_grad():
+        full = model(input_ids=ids, output_hidden_states=True).hidden_states
+    for layer in normalize_layers(model, LAYERS):
+        torch.testing.assert_close(computed[layer], full[layer], rtol=0, atol=0)
