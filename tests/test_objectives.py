@@ -203,3 +203,27 @@ def test_out_of_draft_vocab_positions_get_no_loss_but_count_as_misses():
     depth1 = masked.depths[0]
     assert depth1.valid[:, :-1].all()
     assert (depth1.ranks[oov] > 0).all()
+
+
+def test_exact_greedy_ids_only_where_asked():
+    """The full-vocabulary argmax runs only at the asked positions and equals the full one there; the
+    others keep the free argmax over the heads' vocabulary."""
+    from types import SimpleNamespace
+
+    from selfdraft.heads.projection import DraftVocab
+    from selfdraft.training.steps import _greedy_target_ids
+
+    torch.manual_seed(0)
+    V, Vd, h = 32, 8, 6
+    weight, features = torch.randn(V, h), torch.randn(2, 5, h)
+    vocab = DraftVocab(Vd, V)
+    vocab.set_maps(torch.arange(0, 2 * Vd, 2) - torch.arange(Vd), torch.arange(V) % 2 == 0)  # even ids
+    heads = SimpleNamespace(draft_vocab=vocab)
+    labels = features @ weight[vocab.target_ids()].T
+    where = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 1, 1, 0]], dtype=torch.bool)
+    full = (features @ weight.T).argmax(-1)
+    free = vocab.to_target(labels.argmax(-1))
+    assert (full != free).any()  # some greedy tokens are odd: outside the draft vocabulary
+    ids = _greedy_target_ids(labels, features, heads, weight, exact=True, where=where)
+    assert torch.equal(ids[where], full[where]) and torch.equal(ids[~where], free[~where])
+    assert torch.equal(_greedy_target_ids(labels, features, heads, weight, exact=True), full)

@@ -75,6 +75,9 @@ class TrainSection:
     medusa_decay: float = 0.8
     medusa_hard_labels: bool = False  # CE on the text tokens (Medusa-1) instead of the target's distribution
     seed: int = 0
+    # 0: random micro-batches; W: micro-batches of similar lengths, sorted within windows of W steps'
+    # examples (windows and batch order still random), so less compute goes to padding
+    length_grouping: int = 0
     # auto | bf16 | fp32: the dtype of the frozen target, its features and the heads' compute (see
     # `resolve_precision`). bf16 keeps fp32 master weights in the optimizer (DeepSpeed's bf16 mode).
     precision: str = "auto"
@@ -236,6 +239,11 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
         raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
     _check_precision(config.train.precision)
     _check_layout(config)
+    if config.train.length_grouping < 0:
+        raise ConfigError(
+            f"train.length_grouping: {config.train.length_grouping}; use 0 (random batches) or a window of "
+            "N >= 1 steps"
+        )
     if config.heads.layout == "eagle3" and config.heads.feature_layers is None:
         # what `selfdraft prepare` caches must already be these layers: resolve them from the target
         resolve_for_target(config, _target_text_config(config.target))

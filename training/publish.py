@@ -40,23 +40,21 @@ def _session_seconds(session: list[dict], heads_file: Path) -> float:
 
 
 def tokens_trained(
-    run_dir: Path, steps: int, world: int, micro_batch: int, accumulation: int, seed: int
+    run_dir: Path, steps: int, world: int, micro_batch: int, accumulation: int, seed: int, grouping: int = 0
 ) -> tuple[int, int] | None:
     """(tokens the first `steps` steps fed the heads, tokens in the training split), replayed from the
     run's split and its sample order (`SampleStream`); None when the run folder no longer holds it."""
     import datasets
-    import pyarrow.compute as pc
 
-    from selfdraft.training.batches import SampleStream
+    from selfdraft.training.batches import SampleStream, split_lengths
 
     split = run_dir / "data" / "train"
     if not split.is_dir():
         return None
-    table = datasets.load_from_disk(str(split)).data.column("input_ids")
-    lengths = pc.list_value_length(table).to_pylist()
+    lengths = split_lengths(datasets.load_from_disk(str(split)))
     total = 0
     for rank in range(world):
-        stream = SampleStream(len(lengths), seed, world, rank, micro_batch)
+        stream = SampleStream(len(lengths), seed, world, rank, micro_batch, lengths, grouping)
         for m in range(steps * accumulation):
             total += sum(lengths[i] for i in stream.micro_batch(m))
     return total, sum(lengths)
@@ -121,6 +119,7 @@ def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str 
         train.micro_batch_size,
         train.gradient_accumulation_steps,
         train.seed,
+        train.length_grouping,
     )
     summary["tokens_trained"], summary["split_tokens"] = replayed or (None, None)
     return Stage(

@@ -122,7 +122,9 @@ def eagle_step(
     vocab = heads.draft_vocab
     masking = mask_out_of_vocab and vocab is not None
     with torch.no_grad():
-        greedy = _greedy_target_ids(labels, feature_targets, heads, lm_head_weight, exact_labels or masking)
+        greedy = _greedy_target_ids(
+            labels, feature_targets, heads, lm_head_weight, exact_labels or masking, where=valid
+        )
         target_probs = torch.softmax(labels.float(), dim=-1)
         if masking:
             in_vocab = vocab.t2d[greedy]  # [B, n]
@@ -200,14 +202,22 @@ def medusa_step(
     return StepOutput(loss=loss, metrics=metrics, depths=hits)
 
 
-def _greedy_target_ids(labels, features_last, heads, lm_head_weight, exact: bool) -> torch.Tensor:
+def _greedy_target_ids(
+    labels, features_last, heads, lm_head_weight, exact: bool, where: torch.Tensor | None = None
+) -> torch.Tensor:
     """The target's greedy next token as a target id [B, T'].
 
     exact=False takes the argmax over the heads' vocabulary (free: the labels are already there);
     exact=True recomputes it over the full target vocabulary (evaluation), so a greedy token that
-    the draft vocabulary lacks counts as a miss instead of being silently replaced."""
-    if exact:
-        return (features_last @ lm_head_weight.T).argmax(-1)
+    the draft vocabulary lacks counts as a miss instead of being silently replaced. where: [B, T'] bool,
+    the positions that need the exact token (the others keep the free one): the full-vocabulary
+    projection was a fifth of a training step, and prompt and padding positions never use it."""
     ids = labels.argmax(-1)
     vocab = getattr(heads, "draft_vocab", None)
-    return vocab.to_target(ids) if vocab is not None else ids
+    ids = vocab.to_target(ids) if vocab is not None else ids
+    if not exact:
+        return ids
+    if where is None:
+        return (features_last @ lm_head_weight.T).argmax(-1)
+    ids[where] = (features_last[where] @ lm_head_weight.T).argmax(-1)
+    return ids

@@ -26,7 +26,7 @@ from selfdraft.heads import HeadsConfig, build_heads, load_heads
 from selfdraft.precision import dtype_name
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
-from selfdraft.training.batches import SampleStream, collate
+from selfdraft.training.batches import SampleStream, collate, split_lengths
 from selfdraft.training.config import (
     PRECISIONS,
     RunConfig,
@@ -153,6 +153,20 @@ def lr_lambda(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return f
+
+
+def grouping_lengths(config: RunConfig, train, examples) -> list[int] | None:
+    """Every training example's length, for `train.length_grouping` (None when it is off). A feature
+    cache holds the split's examples in its order; a partial one holds fewer and cannot be grouped."""
+    if not config.train.length_grouping:
+        return None
+    if len(examples) != len(train):
+        raise UserError(
+            f"train.length_grouping needs the whole training split, but the feature cache "
+            f"{config.data.feature_cache} holds {len(examples)} of its {len(train)} examples; finish it "
+            "with `selfdraft prepare` or set train.length_grouping: 0"
+        )
+    return split_lengths(train)
 
 
 def hidden_list(features: dict[int, torch.Tensor], num_layers: int) -> list[torch.Tensor | None]:
@@ -369,7 +383,15 @@ def main(argv=None) -> int:
     heldout = heldout_examples(config, heldout, layers, dtype)
 
     heads = build_run_heads(config, target, train).to(device)
-    stream = SampleStream(len(examples), config.train.seed, world, rank, config.train.micro_batch_size)
+    stream = SampleStream(
+        len(examples),
+        config.train.seed,
+        world,
+        rank,
+        config.train.micro_batch_size,
+        grouping_lengths(config, train, examples),
+        config.train.length_grouping,
+    )
     accum = config.train.gradient_accumulation_steps
     total = config.train.max_steps or max(1, int(config.train.epochs * stream.steps_per_epoch(accum)))
     optimizer = torch.optim.AdamW(
