@@ -219,7 +219,7 @@ def write_tree_file(
         data = {**previous, "batch": {**previous.get("batch", {}), batch: data}}
         data["batch"] = dict(sorted(data["batch"].items()))
     else:
-        data.update({k: previous[k] for k in ("sampling", "batch") if k in previous})
+        data.update({k: previous[k] for k in SUBTREE_KEYS if k in previous})
     if key is not None:
         merged = {**entries, key: data}
         data = {k: merged[k] for k in sorted(merged, key=_entry_order)}
