@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
     from selfdraft.inference.drafting import heads_dtype
     from selfdraft.inference.model import SHIPPED
+    from selfdraft.precision import machine_kind
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     kwargs = {"tree": args.tree} if args.tree else {}
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"target {args.target} ({model.target.dtype}) | heads {model.heads.config.head_kind} "
         f"({heads_dtype(model.heads)}) | tree {model.tree.describe()} | "
-        f"{torch.get_num_threads()} CPU threads\n"
+        f"{torch.get_num_threads()} CPU threads, {machine_kind(model.target.device)}\n"
     )
     # warm-up: first calls pay one-off allocation costs that would distort the first ratio
     warm = model.chat_ids("Hi")
