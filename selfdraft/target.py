@@ -128,12 +128,18 @@ def _dequantize_embedded(model: EmbeddedModel, dest: Path) -> None:
         plain.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         (out_dir / "SOURCE").write_text(f"{model.name}\nsha256 {model.sha256}\n")
-        try:
-            out_dir.rename(dest)  # atomic: a killed conversion never leaves a half-written cache entry
-        except OSError:
-            # another process converting the same pinned file finished first: its entry is the same
-            if not (dest / "config.json").is_file():
-                raise
+        _move_into_place(out_dir, dest)
+
+
+def _move_into_place(out_dir: Path, dest: Path) -> None:
+    """Rename a finished conversion to its cache entry: atomic, so a killed conversion never leaves a
+    half-written entry. When another process converting the same pinned file finished first, its
+    entry is the same one: keep it (this copy goes with the temporary folder)."""
+    try:
+        out_dir.rename(dest)
+    except OSError:
+        if not (dest / "config.json").is_file():
+            raise
 
 
 def resolve_target_path(name_or_path: str) -> str:

@@ -38,13 +38,24 @@ def test_sha_mismatch_is_refused(monkeypatch, tmp_path):
 
 def test_concurrent_conversion_keeps_the_first_entry(tmp_path):
     """Two processes loading the embedded target for the first time both convert it; the one that
-    finishes second finds the entry made and uses it instead of failing."""
-    dest = tmp_path / "smollm2-135m-instruct"
-    dest.mkdir()
-    (dest / "config.json").write_text('{"written_by": "the first process"}')
-    target_mod._dequantize_embedded(EMBEDDED["smollm2-135m-instruct"], dest)
-    assert "the first process" in (dest / "config.json").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [dest.name]  # no temporary folder left
+    finishes second finds the entry made and uses it instead of failing; a half-made entry that is
+    not a finished conversion still fails loudly."""
+    dest = tmp_path / "entry"
+
+    def converted(name: str, by: str):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(by)
+        return out
+
+    target_mod._move_into_place(converted("first", "the first process"), dest)
+    target_mod._move_into_place(converted("second", "the second process"), dest)
+    assert (dest / "config.json").read_text() == "the first process"
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "model.safetensors").write_text("not a finished entry")
+    with pytest.raises(OSError):
+        target_mod._move_into_place(converted("third", "the third process"), stray)
 
 
 def test_missing_package_says_what_to_install(tmp_path):
