@@ -15,8 +15,8 @@ class SampleStream:
 
     With `lengths` [n] and window W > 0, each epoch's permutation is cut into windows of W steps'
     examples (W * B * world), each window sorted by length and its steps' blocks shuffled: a
-    micro-batch then holds examples of similar lengths (little padding; on 2 CPU cores random
-    batches of chat data padded about a third of their tokens) while the order stays random.
+    micro-batch then holds examples of similar lengths while the order stays random (on lengths
+    uniform in 10-500, micro-batches of 4: padding 54% of the tokens -> 2%, a test).
     """
 
     def __init__(
