@@ -120,12 +120,13 @@ class SelfDraftModel:
         self.target = target
         self.tokenizer = tokenizer
         self.heads = heads.attach(target).to(target.device).eval()
+        self.machine = machine_kind(target.device)  # picks a tree file's entry for this kind of machine
         self.tree = self._fitting_tree(tree)
         given = tree if sampling_tree is None else sampling_tree
         self.sampling_tree = self._fitting_tree(given, sampling=True) if given is not None else self.tree
         # greedy trees per batch size, from a tree file's `batch:` block (`selfdraft tune --batch B`)
-        machine = machine_kind(target.device)
-        batch = read_batch_trees(Path(tree), dtype_name(target.dtype), machine) if is_tree_file(tree) else {}
+        dtype = dtype_name(target.dtype)
+        batch = read_batch_trees(Path(tree), dtype, self.machine) if is_tree_file(tree) else {}
         self.batch_trees = {size: self._fitting_tree(shape) for size, shape in batch.items()}
         warn_unapplied_generation_config(target)
 
@@ -134,7 +135,7 @@ class SelfDraftModel:
             DEFAULT_TREE if tree is None else tree,
             dtype_name(self.target.dtype),
             sampling,
-            machine_kind(self.target.device),
+            self.machine,
         )
         limit = getattr(self.heads, "max_draft_depth", None)
         if limit is None or shape.draft_depth <= limit:

@@ -25,14 +25,20 @@ def new_cache() -> DynamicCache:
 
 
 @lru_cache(maxsize=64)
-def _cache_keyword(forward_cls: type) -> str:
-    params = inspect.signature(forward_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+def _forward_parameters(forward_cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(forward_cls.forward).parameters)
 
 
 def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict:
     """Keyword arguments that hand `cache` to `model.forward` under this transformers version."""
-    return {_cache_keyword(type(model)): cache, "use_cache": True}
+    keyword = "cache" if "cache" in _forward_parameters(type(model)) else "past_key_values"
+    return {keyword: cache, "use_cache": True}
+
+
+def last_logits_kwargs(model: torch.nn.Module) -> dict:
+    """Keyword arguments asking `model.forward` for the last position's logits only, where it takes
+    `logits_to_keep` (transformers >= 4.50); else none, and it computes all of them."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(type(model)) else {}
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -138,8 +144,7 @@ def masked_gqa(device: torch.device | str, queries: int) -> Iterator[None]:
 
 
 def check_model_takes_cache(model: PreTrainedModel) -> None:
-    params = inspect.signature(type(model).forward).parameters
-    if "cache" not in params and "past_key_values" not in params:
+    if not {"cache", "past_key_values"} & _forward_parameters(type(model)):
         raise TypeError(
             f"{type(model).__name__}.forward takes no KV cache argument; selfdraft cannot drive it"
         )

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import inspect
 import json
 import shutil
 from collections.abc import Iterator, Sequence
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
+from selfdraft import kv
 from selfdraft.errors import MissingFileError, UserError
 from selfdraft.training import locks
 
@@ -64,21 +63,11 @@ def compute_features(
         attention_mask=None if attention_mask is None else attention_mask.to(device),
         output_hidden_states=True,
         use_cache=False,
-        **_one_logit(model),
+        # the features are hidden states; the full [B, T, V] projection (V = 49k for SmolLM2) would be
+        # about a fifth of the pass's multiply-adds
+        **kv.last_logits_kwargs(model),
     )
     return {"features": {layer: out.hidden_states[layer] for layer in layers}}
-
-
-@lru_cache(maxsize=16)
-def _takes_logits_to_keep(forward_cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters
-
-
-def _one_logit(model) -> dict:
-    """Ask for the last position's logits only where the forward allows it: the features are the
-    hidden states, and the full [B, T, V] projection (V = 49k for SmolLM2) is about a fifth of the
-    pass's multiply-adds."""
-    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
 
 
 def _plan_shards(lengths: list[int], shard_tokens: int) -> list[dict]:

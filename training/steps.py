@@ -212,12 +212,12 @@ def _greedy_target_ids(
     the draft vocabulary lacks counts as a miss instead of being silently replaced. where: [B, T'] bool,
     the positions that need the exact token (the others keep the free one): the full-vocabulary
     projection took 22% of a short run's py-spy samples, and prompt and padding positions never use it."""
+    if exact and where is None:
+        return (features_last @ lm_head_weight.T).argmax(-1)
     ids = labels.argmax(-1)
     vocab = getattr(heads, "draft_vocab", None)
     ids = vocab.to_target(ids) if vocab is not None else ids
     if not exact:
         return ids
-    if where is None:
-        return (features_last @ lm_head_weight.T).argmax(-1)
     ids[where] = (features_last[where] @ lm_head_weight.T).argmax(-1)
     return ids
