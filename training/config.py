@@ -52,6 +52,9 @@ class DataSection:
     seed: int = 0
     feature_cache: str | None = None  # folder for cached target features; None = computed online
     partial_cache: bool = False  # train on the shards cached so far (a staged, resumable data build)
+    # cut each assistant turn before an 8-word phrase starts for the (n+1)-th time (generated loops);
+    # None keeps the text as it is
+    cut_repeats: int | None = None
 
 
 @dataclass
@@ -243,6 +246,11 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
         raise ConfigError(
             f"train.length_grouping: {config.train.length_grouping}; use 0 (random batches) or a window of "
             "N >= 1 steps"
+        )
+    if config.data.cut_repeats is not None and config.data.cut_repeats < 1:
+        raise ConfigError(
+            f"data.cut_repeats: {config.data.cut_repeats}; use N >= 1 (keep a phrase's first N occurrences) "
+            "or leave it out to keep answers whole"
         )
     if config.heads.layout == "eagle3" and config.heads.feature_layers is None:
         # what `selfdraft prepare` caches must already be these layers: resolve them from the target

@@ -21,6 +21,7 @@ from selfdraft.corpora import load_source
 from selfdraft.errors import UserError
 from selfdraft.splits import is_heldout
 from selfdraft.training.rendering import render_records
+from selfdraft.training.repetition import cut_record_repeats
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,17 @@ def rows_to_dataset(rows: list[dict]) -> datasets.Dataset:
     return datasets.Dataset.from_dict(columns, features=ROW_FEATURES)
 
 
-def _records_dataset(sources: Sequence[str | Iterable[dict]]) -> datasets.Dataset:
+def _records_dataset(
+    sources: Sequence[str | Iterable[dict]], cut_repeats: int | None = None
+) -> datasets.Dataset:
     """The records of every source as one Arrow table, converted source by source so only one
-    source's Python records are alive at a time."""
+    source's Python records are alive at a time; with `cut_repeats`, answers lose their loops
+    (`repetition.cut_record_repeats`)."""
     parts = []
     for source in sources:
         records = load_source(source) if isinstance(source, str) else list(source)
+        if cut_repeats is not None:
+            records = [cut_record_repeats(r, cut_repeats) for r in records]
         columns = {
             "id": [str(r["id"]) for r in records],
             "messages": [r.get("messages") for r in records],
@@ -169,6 +175,7 @@ def build_dataset(
     run_dir: str | Path,
     num_proc: int | None = None,
     work_dir: str | Path | None = None,
+    cut_repeats: int | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Render every source record and split it into (train, heldout) datasets.
 
@@ -178,10 +185,11 @@ def build_dataset(
     are skipped with a warning. num_proc: render processes (see `resolve_num_proc`); the result does
     not depend on it. work_dir: an empty folder for the Arrow files of the rendered data (kept in
     memory when None); the returned datasets read from it, so keep it until they are saved.
+    cut_repeats: cut generated loops out of assistant turns (see `repetition.cut_repeats`).
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    records = _records_dataset(sources)
+    records = _records_dataset(sources, cut_repeats)
     procs = resolve_num_proc(num_proc, len(records))
     work = Path(work_dir) if work_dir is not None else None
     if work is not None:

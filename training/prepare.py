@@ -37,7 +37,7 @@ def _split_fingerprint(config: RunConfig, tokenizer) -> dict:
         "heldout_fraction": data.heldout_fraction,
         "seed": data.seed,
         "vocab_size": len(tokenizer),
-    }
+    } | ({"cut_repeats": data.cut_repeats} if data.cut_repeats is not None else {})
 
 
 def _load_split(folder: Path) -> datasets.Dataset:
@@ -64,7 +64,9 @@ def prepare_splits(
         if (root / SPLIT_FINGERPRINT).is_file():
             found = json.loads((root / SPLIT_FINGERPRINT).read_text())
             if found != fingerprint:
-                changed = sorted(k for k in fingerprint if found.get(k) != fingerprint[k])
+                changed = sorted(
+                    k for k in found.keys() | fingerprint.keys() if found.get(k) != fingerprint.get(k)
+                )
                 raise UserError(
                     f"{root} was built from another data config ({', '.join(changed)} changed); "
                     "use a new output_dir, or delete that folder to rebuild the splits"
@@ -88,6 +90,7 @@ def prepare_splits(
             run_dir=Path(config.output_dir),
             num_proc=num_proc,
             work_dir=tmp / "work",  # rendered Arrow files on disk, not in memory
+            cut_repeats=config.data.cut_repeats,
         )
         train.save_to_disk(str(tmp / "train"))
         heldout.save_to_disk(str(tmp / "heldout"))
