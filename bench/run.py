@@ -24,9 +24,10 @@ from selfdraft.bench.prompts import Prompt, load_prompt_set
 from selfdraft.bench.report import PHASES, summarize, summarize_batches
 from selfdraft.bench.timing import Timed, run_baseline, run_baseline_batch, run_speculative, verify_cost_curve
 from selfdraft.errors import UserError
+from selfdraft.heads.int8 import INT8, has_int8_weights
 from selfdraft.inference.drafting import heads_dtype
 from selfdraft.inference.model import SHIPPED, SelfDraftModel
-from selfdraft.precision import dtype_name, parse_dtype
+from selfdraft.precision import AUTO, DTYPES, dtype_name, parse_dtype
 from selfdraft.target import load_target
 
 
@@ -53,20 +54,27 @@ class Method:
     kind: str  # baseline | prompt-lookup | assisted | selfdraft
     arg: str | None = None  # heads (selfdraft) or draft model (assisted)
     tree: str | None = None
+    draft_dtype: str | None = None  # None: the bench's --draft-dtype
 
 
 def parse_method(spec: str) -> Method:
-    """`baseline`, `prompt-lookup`, `assisted:DRAFT`, `selfdraft:HEADS[:TREE]` (HEADS = shipped|none|DIR)."""
+    """`baseline`, `prompt-lookup`, `assisted:DRAFT`, `selfdraft:HEADS[:TREE][@DRAFT_DTYPE]` (HEADS =
+    shipped|none|DIR; DRAFT_DTYPE as --draft-dtype, e.g. @int8, so two drafting precisions run
+    interleaved in one bench)."""
     kind, _, rest = spec.partition(":")
     if kind in ("baseline", "prompt-lookup") and not rest:
         return Method(spec, kind)
     if kind == "assisted" and rest:
         return Method(spec, kind, rest)
     if kind == "selfdraft":
-        heads, _, tree = rest.partition(":")
-        return Method(spec, kind, heads or SHIPPED, tree or None)
+        body, at, draft_dtype = rest.rpartition("@")
+        if not at or draft_dtype.lower() not in (AUTO, INT8, *DTYPES):
+            body, draft_dtype = rest, None
+        heads, _, tree = body.partition(":")
+        return Method(spec, kind, heads or SHIPPED, tree or None, draft_dtype)
     raise UserError(
-        f"unknown method {spec!r}: baseline, prompt-lookup, assisted:DRAFT, selfdraft:HEADS[:TREE]"
+        f"unknown method {spec!r}: baseline, prompt-lookup, assisted:DRAFT, "
+        "selfdraft:HEADS[:TREE][@DRAFT_DTYPE]"
     )
 
 
@@ -92,7 +100,7 @@ class Runner:
                     heads,
                     target_name=config.target,
                     tree=m.tree,
-                    draft_dtype=config.draft_dtype,
+                    draft_dtype=m.draft_dtype or config.draft_dtype,
                 )
             elif m.kind == "assisted":
                 draft, draft_tok = load_target(m.arg, dtype=parse_dtype(config.dtype))
@@ -186,6 +194,7 @@ def run_bench(config: BenchConfig) -> dict:
             "target": dtype_name(runner.target.dtype),
             **{
                 label: dtype_name(heads_dtype(model.heads))
+                + (" (int8 weights)" if has_int8_weights(model.heads) else "")
                 for label, model in runner.models.items()
             },
         },
@@ -208,7 +217,9 @@ def run_batches(runner: Runner, prompts: list[Prompt], config: BenchConfig) -> l
     ids = [runner.ids(p)[0] for p in prompts]
     methods = [m for m in runner.methods if m.kind in BATCHED_KINDS]
 
-    def once(m: Method, batch: list[torch.Tensor], temperature: float, seed: int, n: int) -> tuple[list, float]:
+    def once(
+        m: Method, batch: list[torch.Tensor], temperature: float, seed: int, n: int
+    ) -> tuple[list, float]:
         torch.manual_seed(seed)
         if m.kind == "baseline":
             return run_baseline_batch(runner.base, batch, n, temperature=temperature)
@@ -262,4 +273,3 @@ def mark_divergences(target, rows: list[dict], prompt_ids: dict[str, torch.Tenso
         found = first_divergence(target, prompt_ids[r["prompt"]], base[key], r["tokens"], reference)
         if found is not None:
             r["divergence"] = {**asdict(found), "near_tie": found.near_tie}
-

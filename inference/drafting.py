@@ -17,6 +17,7 @@ every row's frontier; `PerRow` serves each row with its own single drafter (Medu
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -62,10 +63,11 @@ def drawn_children(
 
 
 def heads_dtype(heads: torch.nn.Module) -> torch.dtype:
-    """The floating dtype the heads compute in; it may differ from the target's (see `draft_dtype`)."""
-    for p in heads.parameters():
-        if p.is_floating_point():
-            return p.dtype
+    """The floating dtype the heads compute in; it may differ from the target's (see `draft_dtype`).
+    Buffers count too: heads with int8 weights keep their scales there (`selfdraft.heads.int8`)."""
+    for t in itertools.chain(heads.parameters(), heads.buffers()):
+        if t.is_floating_point():
+            return t.dtype
     return torch.float32
 
 
@@ -311,7 +313,9 @@ class EagleRows:
             self.cache = kv.new_cache()
         elif kv.cache_length(self.cache):
             none = torch.empty(0, dtype=torch.long)
-            kv.compact_rows(self.cache, torch.tensor(keep, dtype=torch.long), none, none, none, max(self.lengths))
+            kv.compact_rows(
+                self.cache, torch.tensor(keep, dtype=torch.long), none, none, none, max(self.lengths)
+            )
 
 
 class EagleDrafter:

@@ -20,8 +20,9 @@ def add_precision_arguments(
     parser.add_argument(
         "--draft-dtype",
         default="auto" if with_defaults else None,
-        help="the heads' dtype: auto (bfloat16 on CPUs with native bf16, else the target's), or a "
-        "dtype name; heads only change speed, never the output",
+        help="the heads' dtype: auto (bfloat16 on CPUs with native bf16, else the target's), int8 "
+        "(int8 weights computing in auto's dtype: fewer bytes per draft step), or a dtype name; heads "
+        "only change speed, never the output",
     )
 
 

@@ -21,7 +21,7 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
             {
                 "target": str(tiny_target_dir),
                 "prompts": [str(prompts)],
-                "methods": ["baseline", "prompt-lookup", "selfdraft:none", "selfdraft:none:chain-2"],
+                "methods": ["baseline", "prompt-lookup", "selfdraft:none", "selfdraft:none:chain-2@int8"],
                 "temperatures": [0.0, 1.0],
                 "max_new_tokens": 12,
                 "repeats": 2,
@@ -45,7 +45,7 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
     assert len(report["runs"]) == 2 * 2 * 2 * 4  # prompts x temperatures x repeats x methods
     # methods interleaved per prompt: A B C D A B C D ...
     first = [r["method"] for r in report["runs"][:8]]
-    assert first == ["baseline", "prompt-lookup", "selfdraft:none", "selfdraft:none:chain-2"] * 2
+    assert first == ["baseline", "prompt-lookup", "selfdraft:none", "selfdraft:none:chain-2@int8"] * 2
     greedy = [r for r in report["summary"] if r["temperature"] == 0.0]
     assert {r["method"] for r in greedy} == set(first[:4])
     assert all(r["identical_to_baseline"] for r in greedy)  # lossless methods match the baseline
@@ -53,13 +53,12 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
     assert all(r["tau"] >= 1.0 and r["per_depth_acceptance"] for r in spec)
     assert all(r["draft_ms_per_step"] >= 0 and r["verify_ms_per_step"] > 0 for r in spec)
     assert set(report["verify_cost_seconds"]) == {"1", "2", "4"}
-    assert report["trees"]["selfdraft:none:chain-2"] == "chain of 2"
-    assert set(report["trees"]) == {"selfdraft:none", "selfdraft:none:chain-2"}
-    assert report["dtypes"] == {
-        "target": "float32",
-        "selfdraft:none": "bfloat16",
-        "selfdraft:none:chain-2": "bfloat16",
-    }
+    assert report["trees"]["selfdraft:none:chain-2@int8"] == "chain of 2"
+    assert set(report["trees"]) == {"selfdraft:none", "selfdraft:none:chain-2@int8"}
+    # a method's @int8 overrides the bench's draft dtype: int8 weights computing in auto's dtype
+    int8_label = report["dtypes"].pop("selfdraft:none:chain-2@int8")
+    assert int8_label.endswith(" (int8 weights)"), int8_label
+    assert report["dtypes"] == {"target": "float32", "selfdraft:none": "bfloat16"}
     for r in spec:  # every phase of a step is timed (only the leftover "other" may round to 0)
         timed = [r[f"{phase}_ms_per_step"] for phase in ("draft", "verify", "accept", "compact", "observe")]
         assert all(v > 0 for v in timed) and r["other_ms_per_step"] >= 0 and r["decode_ms_per_token"] > 0

@@ -4,11 +4,14 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 from selfdraft import precision
 from selfdraft.bench.divergence import first_divergence, float32_reference, own_gap_spread, ulp
 from selfdraft.bench.report import identical_cell
 from selfdraft.bench.run import mark_divergences
+from selfdraft.errors import UserError
+from selfdraft.heads.int8 import Int8Linear, has_int8_weights, int8_weights
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.drafting import heads_dtype
 from selfdraft.precision import cpu_kind, native_bf16, parse_dtype, resolve_draft_dtype
@@ -45,7 +48,10 @@ def test_native_bf16_flags():
     kinds = [cpu_kind(sapphire, "x86_64"), cpu_kind(zen4, "x86_64"), cpu_kind(avx2, "x86_64")]
     assert kinds == ["cpu-amx", "cpu-avx512bf16", "cpu"]
     assert cpu_kind(graviton3, "aarch64") == "cpu-armbf16"
-    assert precision.machine_kind("cpu") == precision.this_cpu_kind() and precision.machine_kind("cuda") == "cuda"
+    assert (
+        precision.machine_kind("cpu") == precision.this_cpu_kind()
+        and precision.machine_kind("cuda") == "cuda"
+    )
 
 
 def test_resolve_draft_dtype(monkeypatch):
@@ -173,3 +179,47 @@ def test_smollm_bf16_target_parts_from_generate_only_at_near_ties(smollm):
         found = first_divergence(bf16, ids, ref, out.tokens, reference=target)  # target: float32
         assert found is None or found.near_tie, found
     assert max(taus) > 1.5  # the trained heads really drafted accepted blocks
+
+
+def test_int8_linear_is_the_float_linear_up_to_rounding():
+    """Per-row int8 weights: the product stays within 1% of the float layer's; layers whose input
+    width the kernel cannot read stay as they were."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 37)
+    x = torch.randn(2, 5, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = Int8Linear(linear, dtype)(x.to(dtype)).float()
+        ref = linear(x.to(dtype).float())
+        assert out.shape == (2, 5, 37)
+        assert ((out - ref).norm() / ref.norm()) < 0.01
+    mixed = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24), nn.Linear(24, 8))
+    int8_weights(mixed, torch.bfloat16)
+    assert [type(m).__name__ for m in mixed] == ["Int8Linear", "Int8Linear", "Linear"]
+    assert mixed[2].weight.dtype is torch.bfloat16
+    with pytest.raises(UserError, match="nothing to shrink"):
+        int8_weights(nn.Sequential(nn.Linear(24, 8)), torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_int8_heads_keep_greedy_output_identical(kind):
+    target = tiny_target("llama")
+    model = SelfDraftModel.with_heads(target, None, None, head_kind=kind, tree="small", draft_dtype="int8")
+    assert has_int8_weights(model.heads) and heads_dtype(model.heads) in (torch.float32, torch.bfloat16)
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
+        out = model.generate(prompt, 24, stop_token_ids=[])
+        assert out.tokens == greedy_reference(target, prompt, 24)
+
+
+def test_smollm_int8_heads_stay_exact_and_still_draft(smollm):
+    """The shipped heads with int8 weights on the float32 target: token-identical to `generate`, and
+    rounding the weights did not break drafting (accepted blocks of 1.5+ tokens per pass)."""
+    target, tokenizer = smollm
+    model = SelfDraftModel.with_heads(
+        target, tokenizer, target_name="smollm2-135m-instruct", draft_dtype="int8"
+    )
+    ids = model.chat_ids("Write a Python function that reverses a list.")
+    ref = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=model.default_stop_ids())
+    out = model.generate(ids, 48)
+    assert out.tokens == ref[0, ids.shape[1] :].tolist()
+    assert out.stats.mean_accepted > 1.5
