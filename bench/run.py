@@ -24,10 +24,10 @@ from selfdraft.bench.prompts import Prompt, load_prompt_set
 from selfdraft.bench.report import PHASES, summarize, summarize_batches
 from selfdraft.bench.timing import Timed, run_baseline, run_baseline_batch, run_speculative, verify_cost_curve
 from selfdraft.errors import UserError
-from selfdraft.heads.int8 import INT8, has_int8_weights
+from selfdraft.heads.int8 import has_int8_weights
 from selfdraft.inference.drafting import heads_dtype
 from selfdraft.inference.model import SHIPPED, SelfDraftModel
-from selfdraft.precision import AUTO, DTYPES, dtype_name, parse_dtype
+from selfdraft.precision import AUTO, DTYPES, INT8, dtype_name, parse_dtype
 from selfdraft.target import load_target
 
 

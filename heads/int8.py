@@ -16,8 +16,6 @@ from torch import nn
 
 from selfdraft.errors import UserError
 
-INT8 = "int8"  # the `draft_dtype` that asks for int8 weights
-
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 [N, K] and a per-row scale s [N]: W ~= s[:, None] * W_int8.
@@ -66,13 +64,16 @@ def _owned_linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     ]
 
 
-def int8_weights(heads: nn.Module, dtype: torch.dtype) -> nn.Module:
+def int8_weights(heads: nn.Module, dtype: torch.dtype, strict: bool = True) -> nn.Module:
     """`heads` with every nn.Linear it owns (input width a multiple of K_BLOCK) replaced in place by an
     `Int8Linear` computing in `dtype`; everything else (norms, embeddings it owns) is cast to `dtype`.
-    For inference only: int8 weights take no gradient."""
+    For inference only: int8 weights take no gradient. strict=False (the "auto" choice): heads with
+    nothing to shrink, or a device without the kernel, keep their floating weights instead of failing."""
     heads.to(dtype)
     linears = _owned_linears(heads)
     if not linears:
+        if not strict:
+            return heads
         raise UserError(
             f"these heads own no linear layer with an input width divisible by {K_BLOCK}: int8 drafting "
             "has nothing to shrink; use --draft-dtype auto"
@@ -82,6 +83,8 @@ def int8_weights(heads: nn.Module, dtype: torch.dtype) -> nn.Module:
         probe = Int8Linear(nn.Linear(32, 16, bias=False).to(device), dtype)
         probe(torch.zeros(1, 32, dtype=dtype, device=device))
     except (RuntimeError, NotImplementedError) as err:
+        if not strict:
+            return heads
         raise UserError(
             f"int8 drafting is not available for {dtype} on {device.type} ({str(err).splitlines()[0]}); "
             "use --draft-dtype auto"

@@ -10,11 +10,18 @@ import torch
 
 from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
-from selfdraft.heads.int8 import INT8, int8_weights
+from selfdraft.heads.int8 import int8_weights
 from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.batch import batched_speculative_generate, is_batch, row_seeds
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
-from selfdraft.precision import AUTO, dtype_name, machine_kind, parse_dtype, resolve_draft_dtype
+from selfdraft.precision import (
+    AUTO,
+    draft_weights_int8,
+    dtype_name,
+    machine_kind,
+    parse_dtype,
+    resolve_draft_dtype,
+)
 from selfdraft.target import load_target
 from selfdraft.tree import TreeShape
 from selfdraft.tree_syntax import TreeLike, is_tree_file, read_batch_trees, resolve_tree, tree_for_batch
@@ -169,10 +176,11 @@ class SelfDraftModel:
         dtype: the target's; greedy output is token-identical to the target's own `generate` in float32;
         in bfloat16 it can part at near-ties of the target's own logits (`selfdraft.bench.divergence`).
         draft_dtype: the heads' dtype; None = the target's; "auto" (default) = bfloat16 for a float32
-        target on a CPU with native bf16 (AVX512-BF16, AMX), else the target's. Heads only change
-        speed, so bfloat16 heads on a float32 target keep the output exact and draft about twice as fast.
-        "int8": the heads' linear layers hold int8 weights (per-channel scales, `selfdraft.heads.int8`)
-        and compute in the dtype "auto" picks: fewer bytes streamed per draft step; still lossless.
+        target on a CPU with native bf16 (AVX512-BF16, AMX), else the target's, and where the heads then
+        compute in bfloat16 on such a CPU, int8 weights too. Heads only change speed, so bfloat16 heads
+        on a float32 target keep the output exact and draft about twice as fast. "int8": the heads'
+        linear layers hold int8 weights (per-channel scales, `selfdraft.heads.int8`) and compute in the
+        dtype "auto" picks: fewer bytes streamed per draft step; still lossless.
         """
         if tree is not None:
             resolve_tree(tree, dtype_name(parse_dtype(dtype)))  # a bad tree fails before a long target load
@@ -203,7 +211,7 @@ class SelfDraftModel:
     ) -> SelfDraftModel:
         """Attach heads (same meaning of `heads` and `draft_dtype` as in `from_pretrained`) to an
         already loaded target; several models can share one target this way."""
-        int8 = isinstance(draft_dtype, str) and draft_dtype.lower() == INT8
+        int8 = draft_weights_int8(draft_dtype, target)
         dtype = resolve_draft_dtype(AUTO if int8 else draft_dtype, target)
         if heads == SHIPPED:
             heads = shipped_heads_dir(target_name)
@@ -218,8 +226,8 @@ class SelfDraftModel:
             module = load_heads(heads, target, dtype=dtype)
             if tree is None and (Path(heads) / TREE_FILE).is_file():
                 tree = str(Path(heads) / TREE_FILE)  # the shape tuned for these heads
-        if int8:
-            module = int8_weights(module, dtype)
+        if int8:  # "auto" falls back to float weights where int8 cannot apply; "int8" says why not
+            module = int8_weights(module, dtype, strict=str(draft_dtype).lower() != AUTO)
         return cls(target, tokenizer, module, tree=tree)
 
     def default_stop_ids(self) -> list[int]:

@@ -20,7 +20,8 @@ def add_precision_arguments(
     parser.add_argument(
         "--draft-dtype",
         default="auto" if with_defaults else None,
-        help="the heads' dtype: auto (bfloat16 on CPUs with native bf16, else the target's), int8 "
+        help="the heads' dtype: auto (bfloat16 with int8 weights on CPUs with native bf16, else the "
+        "target's), int8 "
         "(int8 weights computing in auto's dtype: fewer bytes per draft step), or a dtype name; heads "
         "only change speed, never the output",
     )

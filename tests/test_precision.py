@@ -65,6 +65,27 @@ def test_resolve_draft_dtype(monkeypatch):
     assert resolve_draft_dtype("auto", target.to(torch.float32)) is torch.float32
 
 
+def test_auto_drafts_with_int8_weights_only_in_bf16_on_native_cpus(monkeypatch):
+    target = tiny_target("llama")
+    assert precision.draft_weights_int8("int8", target) and precision.draft_weights_int8("INT8", target)
+    assert not precision.draft_weights_int8("bfloat16", target)
+    assert not precision.draft_weights_int8(None, target) and not precision.draft_weights_int8(
+        torch.float32, target
+    )
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert precision.draft_weights_int8("auto", target)  # fp32 target -> bf16 heads -> int8 weights
+    assert not precision.draft_weights_int8("auto", target.to(torch.float16))  # fp16 heads: not measured
+    model = SelfDraftModel.with_heads(target.to(torch.float32), None, None, head_kind="eagle")
+    assert has_int8_weights(model.heads) and heads_dtype(model.heads) is torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert not precision.draft_weights_int8("auto", target.to(torch.float32))
+    model = SelfDraftModel.with_heads(target, None, None, head_kind="eagle")
+    assert not has_int8_weights(model.heads) and heads_dtype(model.heads) is torch.float32
+    # auto never fails for want of int8: heads with no layer the kernel can read stay as they are
+    narrow = nn.Sequential(nn.Linear(24, 8))
+    assert int8_weights(narrow, torch.float32, strict=False) is narrow and isinstance(narrow[0], nn.Linear)
+
+
 def test_ulp():
     assert ulp(torch.bfloat16, 18.0) == 0.125  # bf16 keeps 8 significant bits: 16..32 step 2**-3
     assert ulp(torch.bfloat16, -1.5) == 2.0**-7
