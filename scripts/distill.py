@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--first-turns", action="store_true", help="regenerate only each conversation's first answer"
     )
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy answers; > 0: answers sampled from the target at this temperature, "
+        "seeded per record and turn (--seed), so a resumed build draws the same ones",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sampled answers' base seed")
+    parser.add_argument(
         "--precision",
         choices=("auto", "bf16", "fp32"),
         default="auto",
@@ -56,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.training.config import resolve_precision
     from selfdraft.training.distill import regenerate_assistant_turns
 
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature} is negative; use 0 (greedy) or a positive value")
     if not 0 <= args.heldout_fraction < 1:
         raise UserError(
             f"--heldout-fraction {args.heldout_fraction} is outside [0, 1): pass the runs' value, e.g. 0.02"
@@ -82,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         heldout_fraction=args.heldout_fraction,
         first_turns=args.first_turns,
         max_prompt_tokens=args.max_prompt_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
     )
     print(f"wrote {out}")
     return 0

@@ -27,7 +27,7 @@ from selfdraft.splits import is_heldout
 from selfdraft.training import dataset
 from selfdraft.training import rendering as data
 from selfdraft.training.dataset import HELDOUT_FILE, build_dataset
-from selfdraft.training.distill import regenerate_assistant_turns
+from selfdraft.training.distill import regenerate_assistant_turns, stop_ids
 from selfdraft.training.rendering import render_chat
 
 RECORD_START = '\n  {\n    "id": '  # how the shipped file (json.dumps indent=2) starts each record
@@ -440,6 +440,45 @@ def test_self_distillation_through_selfdraft_batches_writes_the_targets_answers(
     rows = {r["id"]: r for r in map(json.loads, plain.read_text().splitlines())}
     lengths = {rid: len(tok(r["messages"][1]["content"])["input_ids"]) for rid, r in rows.items()}
     assert lengths["q0"] < max(lengths.values())  # the early stop really happened in a longer batch
+
+
+def test_sampled_self_distillation_is_the_targets_sampling_and_reproducible(tok, tmp_path):
+    """At temperature > 0 every answer is the target's own sample with the seed `answer_seed` gives
+    its record and turn: the same for any batch size (so a resumed build draws what it would have),
+    different from the greedy answers and from another base seed's."""
+    from selfdraft.inference import SelfDraftModel
+    from selfdraft.training.distill import answer_seed
+
+    model = _tiny_chat_model(len(tok))
+    drafter = SelfDraftModel.with_heads(model, tok, heads=None, tree="chain-2", draft_dtype=torch.float32)
+    convs = [
+        {"id": f"q{i}", "messages": [{"role": "user", "content": text}, MULTI_TURN[2]]}
+        for i, text in enumerate(["hello", "what is two plus two", "name a prime", "write a loop in python"])
+    ]
+
+    def build(name: str, batch_size: int, temperature: float, seed: int = 5) -> dict:
+        out = tmp_path / f"{name}.jsonl"
+        regenerate_assistant_turns(
+            drafter,
+            tok,
+            convs,
+            out,
+            max_new_tokens=8,
+            batch_size=batch_size,
+            temperature=temperature,
+            seed=seed,
+        )
+        return {r["id"]: r["messages"][1]["content"] for r in map(json.loads, out.read_text().splitlines())}
+
+    sampled = build("a", 3, 1.0)
+    assert build("b", 1, 1.0) == sampled
+    assert build("greedy", 3, 0.0) != sampled and build("c", 3, 1.0, seed=6) != sampled
+    prompt = tok.apply_chat_template(convs[1]["messages"][:1], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+    alone = drafter.generate(
+        ids, 8, temperature=1.0, seed=answer_seed(5, "q1", 1), stop_token_ids=stop_ids(model, tok)
+    )
+    assert sampled["q1"] == tok.decode(alone.tokens, skip_special_tokens=True).strip()
 
 
 def test_self_distillation_skips_heldout_and_keeps_first_turns(tok, tmp_path):

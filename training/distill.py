@@ -3,6 +3,7 @@ as resumable JSONL (a killed run continues where it stopped)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -28,9 +29,17 @@ def _finished_ids(out_path: Path) -> set[str]:
     return {json.loads(line)["id"] for line in data[:keep].splitlines() if line.strip()}
 
 
-GreedyFn = Callable[[list[list[int]], int], list[list[int]]]
-"""(token prompts, max_new_tokens) -> each prompt's greedy continuation (a stop token ends it; padding after
-it, if any, is a special token that decoding drops)."""
+AnswerFn = Callable[[list[list[int]], int, list[int]], list[list[int]]]
+"""(token prompts, max_new_tokens, one seed per prompt) -> each prompt's continuation, greedy or sampled
+(a stop token ends it; padding after it, if any, is a special token that decoding drops). Greedy
+answers ignore the seeds."""
+
+
+def answer_seed(seed: int, record_id: str, turn: int) -> int:
+    """The sampling seed of one answer: fixed by the run's seed, the record and the turn, so a resumed
+    or re-batched build draws the same answer (with selfdraft's generator, whose rows draw alone)."""
+    digest = hashlib.sha256(f"{seed}:{record_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def stop_ids(target, tokenizer) -> list[int]:
@@ -42,14 +51,21 @@ def stop_ids(target, tokenizer) -> list[int]:
     return eos
 
 
-def target_greedy(model, tokenizer) -> GreedyFn:
+def target_greedy(model, tokenizer, temperature: float = 0.0) -> AnswerFn:
     """The target's own batched `generate` (left padding). Every row runs until the batch's longest
-    answer ends, so a batch with one long answer costs as much as all answers long."""
+    answer ends, so a batch with one long answer costs as much as all answers long. temperature > 0
+    samples (seeded by the batch's first seed: the draws depend on the batch, unlike selfdraft's)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = stop_ids(model, tokenizer)
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
 
     @torch.no_grad()
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(prompts: list[list[int]], max_new_tokens: int, seeds: list[int]) -> list[list[int]]:
+        torch.manual_seed(seeds[0])
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -60,8 +76,8 @@ def target_greedy(model, tokenizer) -> GreedyFn:
             input_ids=input_ids.to(model.device),
             attention_mask=attention_mask.to(model.device),
             max_new_tokens=max_new_tokens,
-            do_sample=False,
             eos_token_id=eos,
+            **sampling,
             pad_token_id=pad_id,
         )
         return [row[width:].tolist() for row in out]
@@ -69,16 +85,21 @@ def target_greedy(model, tokenizer) -> GreedyFn:
     return generate
 
 
-def selfdraft_greedy(model: SelfDraftModel, tokenizer) -> GreedyFn:
+def selfdraft_greedy(model: SelfDraftModel, tokenizer, temperature: float = 0.0) -> AnswerFn:
     """selfdraft's batched speculative `generate`: the same greedy answers (token-identical in float32;
     bf16 can part at near-ties of the target's logits), but a finished row leaves the batch, so short
-    answers stop costing as soon as they end, and each step can accept several tokens."""
+    answers stop costing as soon as they end, and each step can accept several tokens. temperature > 0
+    samples the target's own distribution (lossless), each row with its own seed."""
     eos = stop_ids(model.target, tokenizer)
 
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(prompts: list[list[int]], max_new_tokens: int, seeds: list[int]) -> list[list[int]]:
         device = model.target.device
         outs = model.generate(
-            [torch.tensor(p, device=device) for p in prompts], max_new_tokens, stop_token_ids=eos
+            [torch.tensor(p, device=device) for p in prompts],
+            max_new_tokens,
+            stop_token_ids=eos,
+            temperature=temperature,
+            seed=list(seeds) if temperature > 0 else None,
         )
         return [out.tokens for out in outs]
 
@@ -86,7 +107,7 @@ def selfdraft_greedy(model: SelfDraftModel, tokenizer) -> GreedyFn:
 
 
 def _regenerate_batch(
-    generate: GreedyFn, tokenizer, batch: list[dict], max_new_tokens: int, max_prompt: int
+    generate: AnswerFn, tokenizer, batch: list[dict], max_new_tokens: int, max_prompt: int, seed: int
 ) -> list[dict]:
     """Replace every assistant turn of each conversation, turn by turn, feeding back the new answers."""
     histories: list[list[dict]] = [[] for _ in batch]
@@ -116,7 +137,8 @@ def _regenerate_batch(
             else:
                 prompts[j] = ids
         if prompts:
-            replies = generate(list(prompts.values()), max_new_tokens)
+            seeds = [answer_seed(seed, batch[j]["id"], pos) for j in prompts]
+            replies = generate(list(prompts.values()), max_new_tokens, seeds)
             for j, reply in zip(prompts, replies, strict=True):
                 text = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 histories[j].append({"role": "assistant", "content": text})
@@ -151,8 +173,12 @@ def regenerate_assistant_turns(
     heldout_fraction: float = 0.0,
     first_turns: bool = False,
     max_prompt_tokens: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Path:
-    """Self-distillation: rewrite each assistant turn with the target's own greedy answer (Medusa-2).
+    """Self-distillation: rewrite each assistant turn with the target's own answer (Medusa-2): greedy,
+    or sampled at `temperature` > 0 (seeded per record and turn by `answer_seed(seed, ...)`), so heads
+    also see the text the target writes when it samples.
 
     model: the target (answers from its own batched `generate`) or a `SelfDraftModel` (answers from
     selfdraft's batched generation: finished rows leave the batch; see `selfdraft_greedy`).
@@ -177,9 +203,9 @@ def regenerate_assistant_turns(
         todo.append(first_turn(record) if first_turns else record)
     todo.sort(key=_prompt_chars)
     if isinstance(model, SelfDraftModel):
-        target, generate = model.target, selfdraft_greedy(model, tokenizer)
+        target, generate = model.target, selfdraft_greedy(model, tokenizer, temperature)
     else:
-        target, generate = model, target_greedy(model, tokenizer)
+        target, generate = model, target_greedy(model, tokenizer, temperature)
     context = getattr(target.config, "max_position_embeddings", None) or 4096
     max_prompt = max(1, context - max_new_tokens)
     if max_prompt_tokens is not None:
@@ -190,7 +216,7 @@ def regenerate_assistant_turns(
     ):
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            for row in _regenerate_batch(generate, tokenizer, batch, max_new_tokens, max_prompt):
+            for row in _regenerate_batch(generate, tokenizer, batch, max_new_tokens, max_prompt, seed):
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
