@@ -14,6 +14,7 @@ from selfdraft.errors import MissingFileError, UserError
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.foreign.modules import ForeignEagleHead
+from selfdraft.heads.int8 import has_int8_weights
 from selfdraft.heads.medusa import MedusaHeads
 
 WEIGHTS_NAME = "model.safetensors"
@@ -62,7 +63,14 @@ def check_compatible(config: HeadsConfig, target_config) -> None:
 
 
 def save_heads(heads: Heads, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` (optionally cast floats to `dtype`, e.g. bf16)."""
+    """Write `config.json` + `model.safetensors` (optionally cast floats to `dtype`, e.g. bf16).
+    Heads holding int8 drafting weights (`selfdraft.heads.int8`) are refused: rounding is for drafting,
+    and a checkpoint keeps the trained float weights."""
+    if has_int8_weights(heads):
+        raise UserError(
+            "these heads hold int8 drafting weights (draft_dtype 'int8', or 'auto' on a CPU with native "
+            "bf16); save the float heads: load them with draft_dtype=None or 'float32'"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {}

@@ -221,6 +221,16 @@ def test_int8_linear_is_the_float_linear_up_to_rounding():
         int8_weights(nn.Sequential(nn.Linear(24, 8)), torch.float32)
 
 
+def test_int8_heads_are_never_saved_as_a_checkpoint(tmp_path):
+    """Rounded drafting weights would make an unloadable (or silently worse) checkpoint: refused."""
+    from selfdraft.heads import save_heads
+
+    model = SelfDraftModel.with_heads(tiny_target("llama"), None, None, head_kind="eagle", draft_dtype="int8")
+    with pytest.raises(UserError, match="draft_dtype=None"):
+        save_heads(model.heads, tmp_path / "heads")
+    assert not (tmp_path / "heads").exists()
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_int8_heads_keep_greedy_output_identical(kind):
     target = tiny_target("llama")

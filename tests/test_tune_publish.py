@@ -97,7 +97,9 @@ def test_tree_file_machine_entries_serve_their_kind_of_machine(tmp_path, monkeyp
     write_tree_file(path, resolve_tree("chain-2"), dtype="bfloat16")
     assert list(yaml.safe_load(path.read_text())) == ["bfloat16", "float32", f"float32@{kind}"]
     assert read_tree_file(path, "float32", machine=kind) == resolve_tree("chain-3")
-    assert read_tree_file(path, "float32", machine="cpu-amx") == resolve_tree("dynamic:depth=4,top_k=4,total_tokens=12")
+    assert read_tree_file(path, "float32", machine="cpu-amx") == resolve_tree(
+        "dynamic:depth=4,top_k=4,total_tokens=12"
+    )
     assert read_tree_file(path, "bfloat16", machine=kind) == resolve_tree("chain-2")
     assert read_tree_file(path, "float32", sampling=True, machine=kind) == resolve_tree("small")
     assert read_batch_trees(path, "float32", kind) == {4: resolve_tree("chain-1")}
@@ -193,7 +195,9 @@ def test_tree_file_batch_trees_serve_batches_of_at_least_their_size(tmp_path):
 
 
 def test_tune_at_a_batch_size_scores_measured_throughput(tmp_path, tiny_target_dir):
-    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, head_kind="eagle", tree="chain-1")
+    model = SelfDraftModel.from_pretrained(
+        str(tiny_target_dir), heads=None, head_kind="eagle", tree="chain-1"
+    )
     prompts = [model.chat_ids(text)[0] for text in ("Say hello.", "Count to five.", "Name a color.")]
     candidates = ["chain-1", "dynamic:depth=2,top_k=2,total_tokens=3"]
     scores = score_trees_batched(model, prompts, candidates, batch=2, max_new_tokens=6)
@@ -220,7 +224,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
 
     run = tmp_path / "run"
     torch.manual_seed(0)
-    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(run, model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
     config.write_text("target: x\ndata:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n")
@@ -316,7 +320,7 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     from selfdraft.training.publish import publish
 
     torch.manual_seed(0)
-    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     _fake_run(tmp_path / "stage2", model, steps=7, examples=30, seconds=180.0)
     first, second = tmp_path / "one.yaml", tmp_path / "two.yaml"
@@ -352,7 +356,7 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
     from selfdraft.training.publish import STAGES_FILE, publish
 
     torch.manual_seed(0)
-    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     first = tmp_path / "one.yaml"
     first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
