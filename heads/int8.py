@@ -16,6 +16,10 @@ from torch import nn
 
 from selfdraft.errors import UserError
 
+# torch's CPU kernel reads the input dimension in blocks of 16 (bfloat16 inputs of another width
+# crashed the process, torch 2.13); narrower layers keep their floating weights.
+K_BLOCK = 16
+
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 [N, K] and a per-row scale s [N]: W ~= s[:, None] * W_int8.
@@ -50,11 +54,6 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
-# torch's CPU kernel reads the input dimension in blocks of 16 (bfloat16 inputs of another width
-# crashed the process, torch 2.13); narrower layers keep their floating weights.
-K_BLOCK = 16
-
-
 def _owned_linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return [
         (parent, name, child)
@@ -76,7 +75,7 @@ def int8_weights(heads: nn.Module, dtype: torch.dtype, strict: bool = True) -> n
             return heads
         raise UserError(
             f"these heads own no linear layer with an input width divisible by {K_BLOCK}: int8 drafting "
-            "has nothing to shrink; use --draft-dtype auto"
+            "has nothing to shrink; use draft_dtype='auto' (--draft-dtype auto)"
         )
     device = linears[0][2].weight.device
     try:  # the kernel exists for CPUs and recent GPUs, not for every device and dtype
@@ -87,7 +86,7 @@ def int8_weights(heads: nn.Module, dtype: torch.dtype, strict: bool = True) -> n
             return heads
         raise UserError(
             f"int8 drafting is not available for {dtype} on {device.type} ({str(err).splitlines()[0]}); "
-            "use --draft-dtype auto"
+            "use draft_dtype='auto' (--draft-dtype auto)"
         ) from None
     for parent, name, linear in linears:
         setattr(parent, name, Int8Linear(linear, dtype))

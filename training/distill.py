@@ -51,14 +51,14 @@ def stop_ids(target, tokenizer) -> list[int]:
     return eos
 
 
-def target_greedy(model, tokenizer, temperature: float = 0.0) -> AnswerFn:
+def target_answers(model, tokenizer, temperature: float = 0.0) -> AnswerFn:
     """The target's own batched `generate` (left padding). Every row runs until the batch's longest
     answer ends, so a batch with one long answer costs as much as all answers long. temperature > 0
     samples (seeded by the batch's first seed: the draws depend on the batch, unlike selfdraft's)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = stop_ids(model, tokenizer)
     sampling = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0}
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         if temperature > 0
         else {"do_sample": False}
     )
@@ -85,7 +85,7 @@ def target_greedy(model, tokenizer, temperature: float = 0.0) -> AnswerFn:
     return generate
 
 
-def selfdraft_greedy(model: SelfDraftModel, tokenizer, temperature: float = 0.0) -> AnswerFn:
+def selfdraft_answers(model: SelfDraftModel, tokenizer, temperature: float = 0.0) -> AnswerFn:
     """selfdraft's batched speculative `generate`: the same greedy answers (token-identical in float32;
     bf16 can part at near-ties of the target's logits), but a finished row leaves the batch, so short
     answers stop costing as soon as they end, and each step can accept several tokens. temperature > 0
@@ -181,7 +181,7 @@ def regenerate_assistant_turns(
     also see the text the target writes when it samples.
 
     model: the target (answers from its own batched `generate`) or a `SelfDraftModel` (answers from
-    selfdraft's batched generation: finished rows leave the batch; see `selfdraft_greedy`).
+    selfdraft's batched generation: finished rows leave the batch; see `selfdraft_answers`).
 
     conversations: records {"id", "messages"}; only system/user turns are kept, every assistant turn is
     regenerated given the regenerated history. Finished records are appended to a JSONL file (readable
@@ -203,9 +203,9 @@ def regenerate_assistant_turns(
         todo.append(first_turn(record) if first_turns else record)
     todo.sort(key=_prompt_chars)
     if isinstance(model, SelfDraftModel):
-        target, generate = model.target, selfdraft_greedy(model, tokenizer, temperature)
+        target, generate = model.target, selfdraft_answers(model, tokenizer, temperature)
     else:
-        target, generate = model, target_greedy(model, tokenizer, temperature)
+        target, generate = model, target_answers(model, tokenizer, temperature)
     context = getattr(target.config, "max_position_embeddings", None) or 4096
     max_prompt = max(1, context - max_new_tokens)
     if max_prompt_tokens is not None:
