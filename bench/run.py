@@ -24,8 +24,7 @@ from selfdraft.bench.prompts import Prompt, load_prompt_set
 from selfdraft.bench.report import PHASES, summarize, summarize_batches
 from selfdraft.bench.timing import Timed, run_baseline, run_baseline_batch, run_speculative, verify_cost_curve
 from selfdraft.errors import UserError
-from selfdraft.heads.int8 import has_int8_weights
-from selfdraft.inference.drafting import heads_dtype
+from selfdraft.inference.drafting import heads_precision
 from selfdraft.inference.model import SHIPPED, SelfDraftModel
 from selfdraft.precision import AUTO, DTYPES, INT8, dtype_name, parse_dtype
 from selfdraft.target import load_target
@@ -192,11 +191,7 @@ def run_bench(config: BenchConfig) -> dict:
         "trees": {label: model.tree.describe() for label, model in runner.models.items()},
         "dtypes": {
             "target": dtype_name(runner.target.dtype),
-            **{
-                label: dtype_name(heads_dtype(model.heads))
-                + (" (int8 weights)" if has_int8_weights(model.heads) else "")
-                for label, model in runner.models.items()
-            },
+            **{label: heads_precision(model.heads) for label, model in runner.models.items()},
         },
         "runs": rows,
         "verify_cost_seconds": {str(b): t for b, t in curve.items()},

@@ -27,7 +27,9 @@ from selfdraft import kv
 from selfdraft.errors import UserError
 from selfdraft.heads.eagle import EagleHead
 from selfdraft.heads.foreign.modules import ForeignEagleHead
+from selfdraft.heads.int8 import has_int8_weights
 from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.precision import dtype_name
 from selfdraft.tree import Begin, Children, Feed, Grown, float_mask
 
 
@@ -69,6 +71,11 @@ def heads_dtype(heads: torch.nn.Module) -> torch.dtype:
         if t.is_floating_point():
             return t.dtype
     return torch.float32
+
+
+def heads_precision(heads: torch.nn.Module) -> str:
+    """How the heads draft, for reports: their compute dtype, and whether they hold int8 weights."""
+    return dtype_name(heads_dtype(heads)) + (" (int8 weights)" if has_int8_weights(heads) else "")
 
 
 class MedusaDrafter:

@@ -38,9 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.timing import compare
-    from selfdraft.heads.int8 import has_int8_weights
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.inference.drafting import heads_dtype
+    from selfdraft.inference.drafting import heads_precision
     from selfdraft.inference.model import SHIPPED
     from selfdraft.precision import machine_kind
 
@@ -49,10 +48,9 @@ def run(args: argparse.Namespace) -> int:
     model = SelfDraftModel.from_pretrained(
         args.target, heads=args.heads or SHIPPED, dtype=args.dtype, draft_dtype=args.draft_dtype, **kwargs
     )
-    weights = ", int8 weights" if has_int8_weights(model.heads) else ""
     print(
         f"target {args.target} ({model.target.dtype}) | heads {model.heads.config.head_kind} "
-        f"({heads_dtype(model.heads)}{weights}) | tree {model.tree.describe()} | "
+        f"({heads_precision(model.heads)}) | tree {model.tree.describe()} | "
         f"{torch.get_num_threads()} CPU threads, {machine_kind(model.target.device)}\n"
     )
     # warm-up: first calls pay one-off allocation costs that would distort the first ratio

@@ -65,7 +65,8 @@ def target_answers(model, tokenizer, temperature: float = 0.0) -> AnswerFn:
 
     @torch.no_grad()
     def generate(prompts: list[list[int]], max_new_tokens: int, seeds: list[int]) -> list[list[int]]:
-        torch.manual_seed(seeds[0])
+        if temperature > 0:
+            torch.manual_seed(seeds[0])
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
