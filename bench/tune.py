@@ -1,8 +1,12 @@
 """Choosing a tree for given heads on this machine.
 
-Expected speed of a tree = tau / (draft time + verify time of its size): tau and draft time are
+Expected speed of a tree = tau / (draft + verify + other time per step): tau, draft time and the rest
+of the step (acceptance, KV compaction, the drafter taking the accepted path, Python bookkeeping) are
 measured by generating with the heads on held-out prompts, the verify time comes from the measured
 verify-cost curve of the target. The tree with the highest expected tokens/s wins.
+
+The rest of the step counts: with cheap int8 drafting it is as large as drafting (a few ms per step),
+and a model without it over-rates shallow trees, which take more steps for the same tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class TreeScore:
     verify_s: float
     expected_tokens_per_s: float
     measured_tokens_per_s: float
+    other_s: float = 0.0  # per step: acceptance, compaction, observing the accepted path, bookkeeping
 
 
 def interpolate(curve: dict[int, float], size: float) -> float:
@@ -78,6 +83,11 @@ def _drafted_shapes(model: SelfDraftModel, candidates: list[str]) -> dict:
     return shapes
 
 
+def _other_step_time(stats) -> float:
+    """Seconds of a generation's tree passes spent outside drafting and the target's verification."""
+    return stats.accept_time + stats.compact_time + stats.observe_time + stats.other_time
+
+
 def score_trees(
     model: SelfDraftModel,
     prompts: list[torch.Tensor],
@@ -102,9 +112,10 @@ def score_trees(
         tau = sum(o.stats.mean_accepted * o.stats.tree_passes for o in outs) / max(1, passes)
         size = sum(o.stats.tree_tokens for o in outs) / max(1, passes)
         draft = sum(o.stats.draft_time for o in outs) / max(1, passes)
+        other = sum(_other_step_time(o.stats) for o in outs) / max(1, passes)
         verify = interpolate(curve, size)
         measured = statistics.median(len(o.tokens) / o.stats.total_time for o in outs)
-        scores.append(TreeScore(c, tau, size, draft, verify, tau / (draft + verify), measured))
+        scores.append(TreeScore(c, tau, size, draft, verify, tau / (draft + verify + other), measured, other))
     return sorted(scores, key=lambda s: -s.expected_tokens_per_s)
 
 

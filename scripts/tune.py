@@ -78,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         scores = score_trees(model, prompts, candidates, args.max_new_tokens, temperature=args.temperature)
     print(
-        f"{'tree':42s} {'tau':>5s} {'size':>5s} {'draft ms':>8s} {'verify ms':>9s} {'expected':>8s} {'measured':>8s}"
+        f"{'tree':42s} {'tau':>5s} {'size':>5s} {'draft ms':>8s} {'verify ms':>9s} {'other ms':>8s} "
+        f"{'expected':>8s} {'measured':>8s}"
     )
     for s in scores:
         print(
             f"{s.tree:42s} {s.tau:5.2f} {s.tree_tokens:5.1f} {1000 * s.draft_s:8.1f} {1000 * s.verify_s:9.1f} "
+            f"{1000 * s.other_s:8.1f} "
             f"{s.expected_tokens_per_s:8.1f} {s.measured_tokens_per_s:8.1f}"
         )
     best = scores[0]

@@ -33,6 +33,10 @@ def test_tune_scores_and_saved_tree_is_used(tmp_path, tiny_target_dir):
     )
     assert {s.tree for s in scores} == set(candidates)
     assert all(s.tau >= 1.0 and s.measured_tokens_per_s > 0 for s in scores)
+    # a step costs more than drafting and verifying: acceptance, compaction, bookkeeping count too
+    assert all(s.other_s > 0 for s in scores)
+    for s in scores:
+        assert abs(s.expected_tokens_per_s - s.tau / (s.draft_s + s.verify_s + s.other_s)) < 1e-9
     heads_dir = tmp_path / "heads"
     torch.manual_seed(0)
     save_heads(build_heads(HeadsConfig.for_target(model.target.config, head_kind="eagle")), heads_dir)
