@@ -152,8 +152,9 @@ def score_trees_batched(
         steps = max(1, sum(st.tree_passes for st in longest))
         draft = sum(st.draft_time for st in longest) / steps
         verify = sum(st.verify_time for st in longest) / steps
+        other = sum(_other_step_time(st) for st in longest) / steps
         measured = sum(len(o.tokens) for o in outs) / sum(seconds for _, seconds in done)
-        scores.append(TreeScore(c, tau, size, draft, verify, measured, measured))
+        scores.append(TreeScore(c, tau, size, draft, verify, measured, measured, other))
     return sorted(scores, key=lambda s: -s.measured_tokens_per_s)
 
 

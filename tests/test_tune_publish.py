@@ -208,7 +208,7 @@ def test_tune_at_a_batch_size_scores_measured_throughput(tmp_path, tiny_target_d
     assert {s.tree for s in scores} == set(candidates)
     rates = [s.measured_tokens_per_s for s in scores]
     assert rates == sorted(rates, reverse=True) and all(r > 0 for r in rates)
-    assert all(s.tau >= 1.0 and s.verify_s > 0 and s.draft_s > 0 for s in scores)
+    assert all(s.tau >= 1.0 and s.verify_s > 0 and s.draft_s > 0 and s.other_s > 0 for s in scores)
 
 
 def _fake_run(run: Path, model, steps: int, examples: int, seconds: float) -> None:
