@@ -21,6 +21,7 @@ COMMANDS = {
     "train": ("selfdraft.scripts.train", "train heads on a frozen target (DeepSpeed, via torchrun)"),
     "tune": ("selfdraft.scripts.tune", "choose the tree that maximizes expected tokens/s for given heads"),
     "publish": ("selfdraft.scripts.publish", "turn a training run into a heads folder with a model card"),
+    "compare": ("selfdraft.scripts.compare", "compare training runs (ablations) on their held-out evaluation"),
     "convert": ("selfdraft.scripts.convert", "convert Medusa / EAGLE / EAGLE-3 / SGLang / vLLM heads"),
     "export": ("selfdraft.scripts.export", "export EAGLE-3-layout heads for vLLM or SGLang"),
 }

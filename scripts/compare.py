@@ -1,0 +1,27 @@
+"""`selfdraft compare`: training runs side by side on their held-out evaluation (a table and a plot)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "configs", nargs="+", help="run configs whose runs (their output_dir) to compare; the first is the reference"
+    )
+    parser.add_argument("--out", default=None, help="folder for compare.md and compare.png (default: print only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfdraft.training.comparison import comparison_markdown, plot_comparison, read_run
+
+    rows = [read_run(c) for c in args.configs]
+    table = comparison_markdown(rows)
+    print(table, end="")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(table)
+        print(f"wrote {out / 'compare.md'}, {plot_comparison(rows, out / 'compare.png')}")
+    return 0

@@ -1,0 +1,75 @@
+"""`selfdraft compare`: training runs side by side on their held-out evaluation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from selfdraft.errors import UserError
+from selfdraft.scripts.cli import main
+from selfdraft.training.comparison import comparison_markdown, read_run
+
+
+def _run(tmp_path: Path, name: str, extra: str, top1: list[float] | None, minutes: float = 2.0) -> Path:
+    """A config and the log of the run it trained (no heads: the comparison reads only the log)."""
+    run = tmp_path / "runs" / name
+    run.mkdir(parents=True)
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(
+        f"target: x\noutput_dir: {run}\ndata:\n  sources: [data.jsonl]\n  max_length: 128\n"
+        f"schedule:\n  eval_examples: 8\n{extra}"
+    )
+    (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 1, "precision": "bfloat16"}))
+    log = [{"step": 0, "event": "start", "examples": 40}]
+    if top1 is not None:
+        log.append(
+            {"step": 30, "eval_loss": 2.0, "eval_top1_by_depth": top1, "eval_simulated_tau_chain": 1 + sum(top1)}
+        )
+    log.append({"step": 30, "event": "done", "train_seconds": 60 * minutes})
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    return config
+
+
+def test_compare_reads_each_runs_settings_and_last_evaluation(tmp_path, capsys):
+    ref = _run(tmp_path, "ref", "train:\n  ttt_steps: 2\n", [0.5, 0.4, 0.3])
+    fused = _run(
+        tmp_path,
+        "fused",
+        "heads:\n  layout: eagle3\n  draft_vocab_size: 64\n  feature_layers: [2, 4, 6]\ntrain:\n  ttt_steps: 4\n",
+        [0.55, 0.38, 0.33],
+        minutes=3.0,
+    )
+    rows = [read_run(ref), read_run(fused)]
+    assert rows[1].layout == "eagle3" and rows[1].feature_layers == [2, 4, 6]
+    assert rows[1].ttt_steps == 4 and rows[1].draft_vocab_size == 64
+    assert rows[1].steps == 30 and rows[1].train_minutes == pytest.approx(3.0)
+    table = comparison_markdown(rows)
+    fused_line = next(line for line in table.splitlines() if line.startswith("| fused"))
+    # differences are to the first (reference) run, depth by depth
+    assert "0.550 (+0.050)" in fused_line and "0.380 (-0.020)" in fused_line and "0.330 (+0.030)" in fused_line
+    assert "Not comparable" not in table
+
+    out = tmp_path / "report"
+    assert main(["compare", str(ref), str(fused), "--out", str(out)]) == 0
+    assert (out / "compare.md").read_text() == table
+    assert (out / "compare.png").stat().st_size > 0
+    assert "| ref |" in capsys.readouterr().out
+
+
+def test_compare_flags_runs_evaluated_on_other_data_and_refuses_runs_without_evaluation(tmp_path, capsys):
+    ref = _run(tmp_path, "ref", "", [0.5, 0.4])
+    other = _run(tmp_path, "other", "", [0.6, 0.5])
+    text = other.read_text().replace("max_length: 128", "max_length: 256")
+    other.write_text(text)
+    assert "Not comparable" in comparison_markdown([read_run(ref), read_run(other)])
+
+    unevaluated = _run(tmp_path, "noeval", "", None)
+    with pytest.raises(UserError, match="no held-out evaluation"):
+        read_run(unevaluated)
+    untrained = tmp_path / "untrained.yaml"
+    untrained.write_text(f"target: x\noutput_dir: {tmp_path / 'nowhere'}\n")
+    assert main(["compare", str(ref), str(untrained)]) != 0
+    err = capsys.readouterr().err
+    assert "train it first" in err and "Traceback" not in err

@@ -1,0 +1,109 @@
+"""Training runs side by side on their held-out evaluation (ablations: one setting changed per run).
+
+Each run is named by its config; the row holds the settings an ablation changes (head layout, fused
+target layers, training-time-test steps, draft vocabulary, data) and the run's last held-out evaluation:
+top-1 agreement with the target by draft depth and the simulated chain tau. Runs compare only when they
+evaluated the same held-out sequences, which the same `data:` section and `eval_examples` guarantee; the
+table says when they differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfdraft.errors import UserError
+from selfdraft.training.config import load_run_config
+from selfdraft.training.publish import run_summary
+
+
+@dataclass(frozen=True)
+class RunRow:
+    name: str
+    layout: str
+    feature_layers: list[int] | None
+    ttt_steps: int
+    draft_vocab_size: int | None
+    steps: int
+    train_minutes: float
+    top1_by_depth: list[float]
+    simulated_tau_chain: float
+    data_key: str  # the data section and eval size: rows with different keys saw different held-out text
+
+
+def read_run(config_path: str | Path) -> RunRow:
+    """The row of the run that `config_path` trains (its output_dir), from its log.jsonl."""
+    config = load_run_config(config_path)
+    run_dir = Path(config.output_dir)
+    if not (run_dir / "log.jsonl").is_file():
+        raise UserError(
+            f"{config_path}: no training log in {run_dir}; train it first "
+            f"(selfdraft train --config {config_path}) or drop it from the comparison"
+        )
+    summary = run_summary(run_dir)
+    evaluation = summary["last_eval"]
+    if evaluation is None:
+        raise UserError(
+            f"{config_path}: run {run_dir} has no held-out evaluation yet; set schedule.eval_every to at "
+            "most train.max_steps and finish the run (selfdraft train --resume)"
+        )
+    data = dataclasses.asdict(config.data) | {"eval_examples": config.schedule.eval_examples}
+    return RunRow(
+        name=Path(config_path).stem,
+        layout=config.heads.layout,
+        feature_layers=config.heads.feature_layers,
+        ttt_steps=config.train.ttt_steps,
+        draft_vocab_size=config.heads.draft_vocab_size,
+        steps=summary["steps"],
+        train_minutes=summary["train_seconds"] / 60,
+        top1_by_depth=list(evaluation["eval_top1_by_depth"]),
+        simulated_tau_chain=float(evaluation["eval_simulated_tau_chain"]),
+        data_key=json.dumps(data, sort_keys=True),
+    )
+
+
+def comparison_markdown(rows: list[RunRow]) -> str:
+    """A table, one row per run, with the top-1 difference to the first row at each depth."""
+    depths = max(len(r.top1_by_depth) for r in rows)
+    head = ["run", "layout", "layers", "ttt", "vocab", "steps", "min"]
+    head += [f"top-1 d{d + 1}" for d in range(depths)] + ["sim. tau"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    first = rows[0]
+    for r in rows:
+        cells = [r.name, r.layout, str(r.feature_layers), str(r.ttt_steps), str(r.draft_vocab_size)]
+        cells += [str(r.steps), f"{r.train_minutes:.1f}"]
+        for d in range(depths):
+            if d >= len(r.top1_by_depth):
+                cells.append("-")
+                continue
+            delta = ""
+            if r is not first and d < len(first.top1_by_depth):
+                delta = f" ({r.top1_by_depth[d] - first.top1_by_depth[d]:+.3f})"
+            cells.append(f"{r.top1_by_depth[d]:.3f}{delta}")
+        cells.append(f"{r.simulated_tau_chain:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if len({r.data_key for r in rows}) > 1:
+        lines.append("")
+        lines.append("Not comparable as they stand: the runs differ in `data:` or `eval_examples`, so they were")
+        lines.append("evaluated on different held-out sequences.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(rows: list[RunRow], path: Path) -> Path:
+    """Held-out top-1 by draft depth, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.plot(range(1, len(r.top1_by_depth) + 1), r.top1_by_depth, marker="o", label=r.name)
+    ax.set(xlabel="draft depth", ylabel="held-out top-1 agreement", title="Training runs compared")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
