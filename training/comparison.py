@@ -102,6 +102,7 @@ def plot_comparison(rows: list[RunRow], path: Path) -> Path:
     for r in rows:
         ax.plot(range(1, len(r.top1_by_depth) + 1), r.top1_by_depth, marker="o", label=r.name)
     ax.set(xlabel="draft depth", ylabel="held-out top-1 agreement", title="Training runs compared")
+    ax.set_xticks(range(1, max((len(r.top1_by_depth) for r in rows), default=1) + 1))
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
