@@ -10,11 +10,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "configs", nargs="+", help="run configs whose runs (their output_dir) to compare; the first is the reference"
     )
-    parser.add_argument("--out", default=None, help="folder for compare.md and compare.png (default: print only)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for compare.md and compare.png, plus scaling.png when the runs trained on different "
+        "data sizes (data.train_tokens) (default: print only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.training.comparison import comparison_markdown, plot_comparison, read_run
+    from selfdraft.training.comparison import (
+        comparison_markdown,
+        plot_comparison,
+        plot_scaling,
+        read_run,
+        shows_scaling,
+    )
 
     rows = [read_run(c) for c in args.configs]
     table = comparison_markdown(rows)
@@ -23,5 +34,8 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(table)
-        print(f"wrote {out / 'compare.md'}, {plot_comparison(rows, out / 'compare.png')}")
+        wrote = [out / "compare.md", plot_comparison(rows, out / "compare.png")]
+        if shows_scaling(rows):
+            wrote.append(plot_scaling(rows, out / "scaling.png"))
+        print("wrote " + ", ".join(map(str, wrote)))
     return 0

@@ -30,6 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("JSON", "COMMAND"),
         help="a bench.json measured for these heads and the command that wrote it; repeatable",
     )
+    parser.add_argument(
+        "--study",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a `selfdraft compare --out` folder (ablations, data size) whose table and plots go into the "
+        "card; repeatable",
+    )
     parser.add_argument("--tree", default=None, help="tree.yaml chosen by `selfdraft tune`")
     parser.add_argument("--tokens", type=int, default=None, help="training tokens (default: from the cache)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -57,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype),
         tokens=tokens,
         earlier=[tuple(pair) for pair in args.earlier],
+        studies=args.study,
     )
     print(f"wrote {dest}")
     if args.push_to:

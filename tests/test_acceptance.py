@@ -295,6 +295,21 @@ def test_sampling_params_validation_and_generator():
     assert a == b  # follows torch.manual_seed
 
 
+def test_sample_follows_probs_and_never_draws_a_zero(monkeypatch):
+    """Inverse-CDF draws: frequencies match an unnormalized p with zeros at both ends and inside
+    (chi-square gate of stats.py, seeded), and a zero-probability token is never drawn, even when the
+    uniform lands on the very edge of the cumulative sum."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.0, 0.0], dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    counts = torch.bincount(torch.tensor([sample(weights, g) for _ in range(6000)]), minlength=V)
+    stat, critical = chi_square(counts, weights / weights.sum())
+    assert stat < critical, (stat, critical)
+
+    real_rand = torch.rand  # u * total rounded up to the total: the last positive token, not one past it
+    monkeypatch.setattr(torch, "rand", lambda *a, generator=None, **k: real_rand(*a, **k).fill_(1.0))
+    assert sample(weights, None) == 6
+
+
 def test_residual_falls_back_to_p_when_it_has_no_mass():
     p = torch.tensor([0.25, 0.75, 0.0], dtype=torch.float64)
     assert torch.equal(residual(p, p), p)

@@ -73,3 +73,26 @@ def test_compare_flags_runs_evaluated_on_other_data_and_refuses_runs_without_eva
     assert main(["compare", str(ref), str(untrained)]) != 0
     err = capsys.readouterr().err
     assert "train it first" in err and "Traceback" not in err
+
+
+def test_data_size_runs_compare_and_plot_a_scaling_curve(tmp_path, capsys):
+    """Runs that differ only in `data.train_tokens` evaluated the same held-out text: comparable, with
+    each run's training-split size in the table and a scaling plot beside it."""
+    from selfdraft.training.dataset import rows_to_dataset
+
+    runs = []
+    for name, rows, top1 in (("small", 3, [0.2, 0.1]), ("big", 9, [0.4, 0.3])):
+        config = _run(tmp_path, name, "", top1)
+        if name == "small":  # a budget of 15 tokens: its split holds 3 rows of 5
+            config.write_text(config.read_text().replace("data:\n", "data:\n  train_tokens: 15\n"))
+        split = [{"id": str(i), "input_ids": [1] * 5, "loss_mask": [1] * 5} for i in range(rows)]
+        rows_to_dataset(split).save_to_disk(str(tmp_path / "runs" / name / "data" / "train"))
+        runs.append(config)
+    rows = [read_run(c) for c in runs]
+    assert [r.train_tokens for r in rows] == [15, 45]
+    table = comparison_markdown(rows)
+    assert "Not comparable" not in table and "| 15 |" in table and "| 45 |" in table
+    out = tmp_path / "report"
+    assert main(["compare", *map(str, runs), "--out", str(out)]) == 0
+    assert (out / "scaling.png").stat().st_size > 0
+    capsys.readouterr()

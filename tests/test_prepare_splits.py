@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from selfdraft.errors import UserError
 from selfdraft.training import prepare
-from selfdraft.training.config import RunConfig
+from selfdraft.training.config import ConfigError, RunConfig, load_run_config
+from selfdraft.training.dataset import rows_within
 from selfdraft.typed_config import build_dataclass
 
 
@@ -21,7 +22,7 @@ def tokenizer(tiny_target_dir):
     return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
-def config_for(tmp_path, **data) -> RunConfig:
+def config_for(tmp_path, run: str = "run", **data) -> RunConfig:
     source = tmp_path / "chats.jsonl"
     if not source.exists():
         rows = [
@@ -30,7 +31,7 @@ def config_for(tmp_path, **data) -> RunConfig:
             for i in range(30)
         ]  # fmt: skip
         source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    raw = {"target": "x", "output_dir": str(tmp_path / "run"), "data": {"sources": [str(source)], **data}}
+    raw = {"target": "x", "output_dir": str(tmp_path / run), "data": {"sources": [str(source)], **data}}
     return build_dataclass(RunConfig, raw)
 
 
@@ -79,3 +80,31 @@ def test_concurrent_builders_serialise(tmp_path, tokenizer):
     assert errors == [] and len(results) == 2
     assert results[0][0]["id"] == results[1][0]["id"]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["data", "data.lock", "heldout_ids.json"]
+
+
+def test_rows_within_a_token_budget():
+    assert rows_within([3, 4, 5], 7) == 2
+    assert rows_within([3, 4, 5], 6) == 1
+    assert rows_within([3, 4, 5], 100) == 3
+    assert rows_within([3, 4, 5], 1) == 1  # a budget below the first row still keeps one row
+
+
+def test_train_tokens_caps_training_rows_and_keeps_the_heldout_split(tmp_path, tokenizer):
+    whole_train, whole_heldout = prepare.prepare_splits(
+        config_for(tmp_path, "whole", heldout_fraction=0.2), tokenizer
+    )
+    budget = sum(len(ids) for ids in whole_train["input_ids"][:5])
+    train, heldout = prepare.prepare_splits(
+        config_for(tmp_path, "capped", heldout_fraction=0.2, train_tokens=budget), tokenizer
+    )
+    # the first rows of the same shuffled order, as many as fit the budget; held-out text unchanged
+    assert train["id"] == whole_train["id"][:5]
+    assert heldout["id"] == whole_heldout["id"] and len(heldout) > 0
+    with pytest.raises(UserError, match="train_tokens"):  # another budget in that folder is another config
+        prepare.prepare_splits(
+            config_for(tmp_path, "capped", heldout_fraction=0.2, train_tokens=budget + 1), tokenizer
+        )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: x\ndata:\n  train_tokens: 0\n")
+    with pytest.raises(ConfigError, match="train_tokens"):
+        load_run_config(bad)

@@ -402,3 +402,37 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
     ):
         assert fact in card, fact
     assert len(json.loads((dest / STAGES_FILE).read_text())) == 2
+
+
+def test_publish_puts_compared_studies_with_their_plots_in_the_card(tmp_path, tiny_target_dir):
+    """`--study DIR`: each compare folder's table goes into the card and its plots into the folder, linked
+    from the card; a folder without compare.md is refused before anything is written."""
+    from selfdraft.errors import UserError
+    from selfdraft.training.publish import publish
+
+    torch.manual_seed(0)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
+    _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
+    config = tmp_path / "one.yaml"
+    config.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
+    study = tmp_path / "data-size"
+    study.mkdir()
+    (study / "compare.md").write_text("| run | train tokens |\n|---|---|\n| small | 23,000 |\n")
+    (study / "scaling.png").write_bytes(b"png-bytes")
+    dest = publish(
+        tmp_path / "run", tmp_path / "card", target="smollm2-135m-instruct", config_path=config, studies=[study]
+    )
+    card = (dest / "README.md").read_text()
+    assert "### data-size" in card and "| small | 23,000 |" in card
+    assert "![data-size: scaling](studies/data-size/scaling.png)" in card
+    assert (dest / "studies" / "data-size" / "scaling.png").read_bytes() == b"png-bytes"
+
+    with pytest.raises(UserError, match="compare.md"):
+        publish(
+            tmp_path / "run",
+            tmp_path / "other",
+            target="smollm2-135m-instruct",
+            config_path=config,
+            studies=[tmp_path],
+        )
+    assert not (tmp_path / "other").exists() and not (tmp_path / "other.tmp").exists()

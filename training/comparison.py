@@ -14,8 +14,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+import pyarrow.compute as pc
+
 from selfdraft.errors import UserError
 from selfdraft.training.config import load_run_config
+from selfdraft.training.prepare import DATA_DIR
 from selfdraft.training.publish import run_summary
 
 
@@ -31,6 +35,16 @@ class RunRow:
     top1_by_depth: list[float]
     simulated_tau_chain: float
     data_key: str  # the data section and eval size: rows with different keys saw different held-out text
+    train_tokens: int | None = None  # tokens in the run's training split (None: its split is gone)
+
+
+def train_split_tokens(run_dir: Path) -> int | None:
+    """Tokens in the training split a run prepared (output_dir/data/train), or None without one."""
+    folder = run_dir / DATA_DIR / "train"
+    if not any(folder.glob("*.arrow")):
+        return None
+    table = datasets.load_from_disk(str(folder)).data.column("input_ids")
+    return int(pc.sum(pc.list_value_length(table)).as_py() or 0)
 
 
 def read_run(config_path: str | Path) -> RunRow:
@@ -49,7 +63,9 @@ def read_run(config_path: str | Path) -> RunRow:
             f"{config_path}: run {run_dir} has no held-out evaluation yet; set schedule.eval_every to at "
             "most train.max_steps and finish the run (selfdraft train --resume)"
         )
+    # a token budget changes only the training rows (`data.train_tokens`): the held-out text is the same
     data = dataclasses.asdict(config.data) | {"eval_examples": config.schedule.eval_examples}
+    data.pop("train_tokens")
     return RunRow(
         name=Path(config_path).stem,
         layout=config.heads.layout,
@@ -61,18 +77,20 @@ def read_run(config_path: str | Path) -> RunRow:
         top1_by_depth=list(evaluation["eval_top1_by_depth"]),
         simulated_tau_chain=float(evaluation["eval_simulated_tau_chain"]),
         data_key=json.dumps(data, sort_keys=True),
+        train_tokens=train_split_tokens(run_dir),
     )
 
 
 def comparison_markdown(rows: list[RunRow]) -> str:
     """A table, one row per run, with the top-1 difference to the first row at each depth."""
     depths = max(len(r.top1_by_depth) for r in rows)
-    head = ["run", "layout", "layers", "ttt", "vocab", "steps", "min"]
+    head = ["run", "layout", "layers", "ttt", "vocab", "train tokens", "steps", "min"]
     head += [f"top-1 d{d + 1}" for d in range(depths)] + ["sim. tau"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     first = rows[0]
     for r in rows:
         cells = [r.name, r.layout, str(r.feature_layers), str(r.ttt_steps), str(r.draft_vocab_size)]
+        cells.append("-" if r.train_tokens is None else f"{r.train_tokens:,}")
         cells += [str(r.steps), f"{r.train_minutes:.1f}"]
         for d in range(depths):
             if d >= len(r.top1_by_depth):
@@ -103,6 +121,38 @@ def plot_comparison(rows: list[RunRow], path: Path) -> Path:
         ax.plot(range(1, len(r.top1_by_depth) + 1), r.top1_by_depth, marker="o", label=r.name)
     ax.set(xlabel="draft depth", ylabel="held-out top-1 agreement", title="Training runs compared")
     ax.set_xticks(range(1, max((len(r.top1_by_depth) for r in rows), default=1) + 1))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def shows_scaling(rows: list[RunRow]) -> bool:
+    """Whether the runs trained on at least two known data sizes (a data-size study)."""
+    sizes = {r.train_tokens for r in rows}
+    return None not in sizes and len(sizes) > 1
+
+
+def plot_scaling(rows: list[RunRow], path: Path) -> Path:
+    """Held-out top-1 against training tokens (log scale), one line per draft depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(rows, key=lambda r: r.train_tokens)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in range(max(len(r.top1_by_depth) for r in rows)):
+        points = [(r.train_tokens, r.top1_by_depth[d]) for r in ordered if d < len(r.top1_by_depth)]
+        ax.plot(*zip(*points, strict=True), marker="o", label=f"depth {d + 1}")
+    ax.set_xscale("log")
+    steps = sorted({r.steps for r in rows})
+    ax.set(
+        xlabel="tokens in the training split",
+        ylabel="held-out top-1 agreement",
+        title=f"Data size, {'/'.join(map(str, steps))} steps each",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)

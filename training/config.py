@@ -55,6 +55,9 @@ class DataSection:
     # cut each assistant turn before an 8-word phrase starts for the (n+1)-th time (generated loops);
     # None keeps the text as it is
     cut_repeats: int | None = None
+    # keep only the first rows of the shuffled training split up to this many tokens (data-size
+    # studies); the held-out split is the same whatever the budget. None = every row
+    train_tokens: int | None = None
 
 
 @dataclass
@@ -251,6 +254,11 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
         raise ConfigError(
             f"data.cut_repeats: {config.data.cut_repeats}; use N >= 1 (keep a phrase's first N occurrences) "
             "or leave it out to keep answers whole"
+        )
+    if config.data.train_tokens is not None and config.data.train_tokens < 1:
+        raise ConfigError(
+            f"data.train_tokens: {config.data.train_tokens}; use N >= 1 (a budget of training tokens) or "
+            "leave it out to train on every row"
         )
     if config.heads.layout == "eagle3" and config.heads.feature_layers is None:
         # what `selfdraft prepare` caches must already be these layers: resolve them from the target

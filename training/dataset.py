@@ -176,6 +176,7 @@ def build_dataset(
     num_proc: int | None = None,
     work_dir: str | Path | None = None,
     cut_repeats: int | None = None,
+    train_tokens: int | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Render every source record and split it into (train, heldout) datasets.
 
@@ -186,6 +187,8 @@ def build_dataset(
     not depend on it. work_dir: an empty folder for the Arrow files of the rendered data (kept in
     memory when None); the returned datasets read from it, so keep it until they are saved.
     cut_repeats: cut generated loops out of assistant turns (see `repetition.cut_repeats`).
+    train_tokens: keep the shuffled training rows that fit this token budget (`rows_within`); the
+    held-out split does not depend on it.
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
@@ -237,4 +240,18 @@ def build_dataset(
     train = _split_rows(rendered, False, procs, work)
     train = train.shuffle(seed=seed, indices_cache_file_name=_arrow_file(work, "train-order"))
     train = train.flatten_indices(cache_file_name=_arrow_file(work, "train-shuffled"))
+    if train_tokens is not None:  # after flattening, the table's row order is the shuffled order
+        lengths = pc.list_value_length(train.data.column("input_ids")).to_pylist()
+        train = train.select(range(rows_within(lengths, train_tokens)))  # a contiguous slice, no copy
     return train, _split_rows(rendered, True, procs, work)
+
+
+def rows_within(lengths: Sequence[int], budget: int) -> int:
+    """How many leading rows fit `budget` tokens: n with sum(lengths[:n]) <= budget, at least one
+    row so that a budget smaller than the first row still trains."""
+    total = 0
+    for n, length in enumerate(lengths):
+        total += length
+        if total > budget:
+            return max(n, 1)
+    return len(lengths)

@@ -37,7 +37,11 @@ def _split_fingerprint(config: RunConfig, tokenizer) -> dict:
         "heldout_fraction": data.heldout_fraction,
         "seed": data.seed,
         "vocab_size": len(tokenizer),
-    } | ({"cut_repeats": data.cut_repeats} if data.cut_repeats is not None else {})
+    } | {
+        key: value
+        for key, value in (("cut_repeats", data.cut_repeats), ("train_tokens", data.train_tokens))
+        if value is not None  # absent when unset: splits built before the key existed stay valid
+    }
 
 
 def _load_split(folder: Path) -> datasets.Dataset:
@@ -91,6 +95,7 @@ def prepare_splits(
             num_proc=num_proc,
             work_dir=tmp / "work",  # rendered Arrow files on disk, not in memory
             cut_repeats=config.data.cut_repeats,
+            train_tokens=config.data.train_tokens,
         )
         train.save_to_disk(str(tmp / "train"))
         heldout.save_to_disk(str(tmp / "heldout"))

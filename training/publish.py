@@ -19,6 +19,7 @@ import yaml
 
 from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
+from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.training.checkpoint import RUN_FILE
 
@@ -259,7 +260,9 @@ def model_card(
     tokens: int | None,
     benches: Sequence[tuple[dict, str]],
     repo_path: str,
+    studies: Sequence[tuple[str, str, Sequence[str]]] = (),
 ) -> str:
+    """studies: (name, its compare.md text, its plots' paths relative to the card) per study."""
     base = BASE_MODELS.get(target, target)
     lines = [
         "---",
@@ -297,7 +300,37 @@ def model_card(
         lines += _bench_lines(bench, command)
     if not benches:
         lines += ["", "No benchmark was recorded for this checkpoint."]
+    if studies:
+        lines += ["", "## Studies", "", "Training runs compared by `selfdraft compare` (ablations, data size)."]
+    for name, table, plots in studies:
+        lines += ["", f"### {name}", "", table.strip()]
+        lines += [""] + [f"![{name}: {Path(plot).stem}]({plot})" for plot in plots]
     return "\n".join(lines) + "\n"
+
+
+STUDIES_DIR = "studies"
+
+
+def check_study(folder: Path) -> Path:
+    """The study's compare.md; a folder without one is a user error (before anything is written)."""
+    table = folder / "compare.md"
+    if not table.is_file():
+        raise UserError(f"{folder} holds no compare.md; write it with: selfdraft compare CONFIG... --out {folder}")
+    return table
+
+
+def copy_study(folder: str | Path, dest: Path) -> tuple[str, str, list[str]]:
+    """A `selfdraft compare --out` folder into dest/studies/<name>/: (name, compare.md text, plots'
+    paths relative to dest) for the card."""
+    folder = Path(folder)
+    table = check_study(folder)
+    out = dest / STUDIES_DIR / folder.name
+    out.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for png in sorted(folder.glob("*.png")):
+        shutil.copy(png, out / png.name)
+        plots.append(f"{STUDIES_DIR}/{folder.name}/{png.name}")
+    return folder.name, table.read_text(), plots
 
 
 def publish(
@@ -313,6 +346,7 @@ def publish(
     tokens: int | None = None,
     repo_path: str | None = None,
     earlier: Sequence[tuple[str | Path, str | Path]] = (),
+    studies: Sequence[str | Path] = (),
 ) -> Path:
     """Write `dest` from the run `run_dir` trained with `config_path`.
 
@@ -320,8 +354,11 @@ def publish(
     first, after those recorded in the init_from folder's stages.json; the card states every stage
     and the folder keeps each stage's config and its stages.json.
     benches: (bench.json, the command that wrote it) for each benchmark the card reports.
+    studies: `selfdraft compare --out` folders; their tables and plots go into the card.
     """
     run_dir, dest = Path(run_dir), Path(dest)
+    for folder in studies:
+        check_study(Path(folder))
     heads = load_heads(run_dir / "heads")
     stages = inherited_stages(config_path) + [read_stage(r, c) for r, c in earlier]
     stages.append(read_stage(run_dir, config_path, train_command))
@@ -334,6 +371,7 @@ def publish(
     (tmp / STAGES_FILE).write_text(json.dumps([dataclasses.asdict(st) for st in stages], indent=1))
     if tree_file:
         shutil.copy(tree_file, tmp / "tree.yaml")
+    copied = [copy_study(folder, tmp) for folder in studies]
     (tmp / "README.md").write_text(
         model_card(
             target=target,
@@ -342,6 +380,7 @@ def publish(
             tokens=tokens,
             benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
             repo_path=repo_path or str(dest),
+            studies=copied,
         )
     )
     if dest.exists():
