@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -149,6 +150,17 @@ class Runner:
         return {"tokens": timed.tokens, "seconds": timed.seconds}
 
 
+def tree_text(model: SelfDraftModel, temperatures: Sequence[float]) -> str:
+    """The tree a model drafts in the runs at `temperatures`: a tree file gives T > 0 its own
+    `sampling:` tree, and a report that named only the greedy one would misdescribe the T = 1 rows."""
+    greedy, sampled = model.tree.describe(), model.sampling_tree.describe()
+    if sampled == greedy or not any(t > 0 for t in temperatures):
+        return greedy
+    if not any(t == 0 for t in temperatures):
+        return sampled
+    return f"{greedy} at T = 0, {sampled} at T > 0"
+
+
 def run_bench(config: BenchConfig) -> dict:
     torch.set_num_threads(config.threads)
     runner = Runner(config)
@@ -188,7 +200,7 @@ def run_bench(config: BenchConfig) -> dict:
             "cuda": torch.cuda.is_available(),
         },
         "prompt_sets": sets,
-        "trees": {label: model.tree.describe() for label, model in runner.models.items()},
+        "trees": {label: tree_text(model, config.temperatures) for label, model in runner.models.items()},
         "dtypes": {
             "target": dtype_name(runner.target.dtype),
             **{label: heads_precision(model.heads) for label, model in runner.models.items()},

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from selfdraft.bench.timing import verify_cost_curve
 from selfdraft.errors import UserError
@@ -102,10 +103,15 @@ def score_trees(
     shapes = _drafted_shapes(model, candidates)
     curve = curve or verify_cost_curve(model.target, [1, 2, 4, 8, 16, 32, 64])
     runs: dict[str, list] = {c: [] for c in shapes}
-    for i, ids in enumerate(prompts):
-        for c in shapes:  # interleaved per prompt
-            out = model.generate(ids, max_new_tokens, tree=shapes[c], temperature=temperature, seed=seed + i)
-            runs[c].append(out)
+    with tqdm(total=len(prompts) * len(shapes), desc="tune", unit="run") as bar:
+        for i, ids in enumerate(prompts):
+            for c in shapes:  # interleaved per prompt
+                bar.set_postfix_str(c)
+                out = model.generate(
+                    ids, max_new_tokens, tree=shapes[c], temperature=temperature, seed=seed + i
+                )
+                runs[c].append(out)
+                bar.update()
     scores = []
     for c, outs in runs.items():
         passes = sum(o.stats.tree_passes for o in outs)
@@ -136,11 +142,14 @@ def score_trees_batched(
     groups = groups or [[prompts[i % len(prompts)] for i in range(batch)]]
     model.generate(groups[0], 4, tree=next(iter(shapes.values())))  # warm-up, not measured
     runs: dict[str, list] = {c: [] for c in shapes}
-    for group in groups:
-        for c, shape in shapes.items():  # interleaved per batch
-            start = time.perf_counter()
-            outs = model.generate(group, max_new_tokens, tree=shape)
-            runs[c].append((outs, time.perf_counter() - start))
+    with tqdm(total=len(groups) * len(shapes), desc=f"tune batch {batch}", unit="run") as bar:
+        for group in groups:
+            for c, shape in shapes.items():  # interleaved per batch
+                bar.set_postfix_str(c)
+                start = time.perf_counter()
+                outs = model.generate(group, max_new_tokens, tree=shape)
+                runs[c].append((outs, time.perf_counter() - start))
+                bar.update()
     scores = []
     for c, done in runs.items():
         outs = [o for group_outs, _ in done for o in group_outs]

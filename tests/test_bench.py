@@ -72,6 +72,22 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_tree_text_names_the_tree_each_temperature_used():
+    from types import SimpleNamespace
+
+    from selfdraft.bench.run import tree_text
+
+    def shape(text):
+        return SimpleNamespace(describe=lambda: text)
+
+    two = SimpleNamespace(tree=shape("dynamic (depth 5)"), sampling_tree=shape("chain of 1"))
+    assert tree_text(two, [0.0]) == "dynamic (depth 5)"
+    assert tree_text(two, [1.0]) == "chain of 1"
+    assert tree_text(two, [0.0, 1.0]) == "dynamic (depth 5) at T = 0, chain of 1 at T > 0"
+    one = SimpleNamespace(tree=shape("chain of 2"), sampling_tree=shape("chain of 2"))
+    assert tree_text(one, [0.0, 1.0]) == "chain of 2"
+
+
 def test_prompt_sets(tmp_path):
     import pytest
 

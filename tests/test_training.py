@@ -146,7 +146,7 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
 
 
 def test_configs_in_repo_parse():
-    for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
+    for path in sorted((ROOT / "configs" / "train").rglob("*.yaml")):  # ablations/ too
         load_run_config(path)
     for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
         assert "zero_optimization" in json.loads(path.read_text())
