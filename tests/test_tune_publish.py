@@ -262,6 +262,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
     bf16.write_text(
         json.dumps(
             {
+                "config": {"temperatures": [0.0, 1.0]},
                 "dtypes": {"target": "bfloat16", "selfdraft:shipped": "bfloat16"},
                 "summary": [
                     {
@@ -309,7 +310,8 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         "selfdraft bench ...",
         "world size 2",
         "speedup on this machine across prompt sets: `selfdraft:shipped` 1.25x-1.25x.",
-        "Command: `selfdraft bench --dtype bfloat16`",
+        "### 1. Benchmark\n",
+        "### 2. Target in bfloat16, T = 0, 1\n\nCommand: `selfdraft bench --dtype bfloat16`",
         "dtypes: target bfloat16, selfdraft:shipped bfloat16.",
         "| sharegpt:4 | selfdraft:shipped | 0 | 2.30 | 30.0 | 1.60x | 3/4 (1 near-tie) |",
         "between a 1-token and a many-token forward in its dtype",

@@ -196,11 +196,14 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     return lines
 
 
-def _bench_lines(bench: dict, command: str) -> list[str]:
-    """One benchmark report as card lines: command, dtypes, the table, trees, verify cost, verdict."""
+def _bench_lines(bench: dict, command: str, number: int = 1) -> list[str]:
+    """One benchmark report as card lines: a numbered heading (several can share a dtype), command,
+    dtypes, the table, trees, verify cost, verdict."""
     rows = list(bench.get("summary", []))
     dtypes = bench.get("dtypes", {})
-    lines = [] if "target" not in dtypes else ["", f"### Target in {dtypes['target']}"]
+    temperatures = ", ".join(f"{t:g}" for t in bench.get("config", {}).get("temperatures", []))
+    heading = f"### {number}. " + (f"Target in {dtypes['target']}" if "target" in dtypes else "Benchmark")
+    lines = ["", heading + (f", T = {temperatures}" if temperatures else "")]
     lines += ["", f"Command: `{command}`" if command else "Benchmark:"]
     lines += dtypes_lines(bench)
     lines += [
@@ -231,7 +234,8 @@ def _bench_lines(bench: dict, command: str) -> list[str]:
             + ", ".join(f"{b}: {t / one:.2f}x" for b, t in curve.items())
             + ".",
         ]
-    return lines + ["", _verdict(rows)]
+    verdict = _verdict(rows)
+    return lines + (["", verdict] if verdict else [])
 
 
 def _verdict(rows: list[dict]) -> str:
@@ -296,8 +300,8 @@ def model_card(
     ]
     lines += _training_lines(stages, tokens)
     lines += ["", "## Measured"]
-    for bench, command in benches:
-        lines += _bench_lines(bench, command)
+    for number, (bench, command) in enumerate(benches, 1):
+        lines += _bench_lines(bench, command, number)
     if not benches:
         lines += ["", "No benchmark was recorded for this checkpoint."]
     if studies:
