@@ -196,7 +196,7 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     return lines
 
 
-def _bench_lines(bench: dict, command: str, number: int = 1) -> list[str]:
+def _bench_lines(bench: dict, command: str, number: int) -> list[str]:
     """One benchmark report as card lines: a numbered heading (several can share a dtype), command,
     dtypes, the table, trees, verify cost, verdict."""
     rows = list(bench.get("summary", []))
