@@ -23,3 +23,22 @@ def split_key(record: dict) -> str:
 def is_heldout(record: dict, heldout_fraction: float) -> bool:
     """Deterministic, seed-independent membership: the first 8 bytes of the key as a uniform in [0, 1)."""
     return int(split_key(record)[:16], 16) / 2**64 < heldout_fraction
+
+
+def first_exchange(record: dict) -> dict | None:
+    """The chat record cut after its first assistant turn, or None for plain text and single exchanges."""
+    messages = record.get("messages")
+    if not messages:
+        return None
+    end = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return None if end >= len(messages) - 1 else {**record, "messages": messages[: end + 1]}
+
+
+def opens_heldout(record: dict, heldout_fraction: float) -> bool:
+    """True when a record outside the held-out split opens with an exchange that is held out on its own.
+
+    Self-distillation copies only a conversation's first exchange, whose key differs from the whole
+    conversation's; training on the whole one would then train on the prompts of a held-out row.
+    """
+    first = first_exchange(record)
+    return first is not None and is_heldout(first, heldout_fraction)

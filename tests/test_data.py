@@ -23,7 +23,7 @@ from selfdraft.corpora import (
     sharegpt_to_messages,
 )
 from selfdraft.errors import UserError
-from selfdraft.splits import is_heldout
+from selfdraft.splits import first_exchange, is_heldout, opens_heldout
 from selfdraft.training import dataset
 from selfdraft.training import rendering as data
 from selfdraft.training.dataset import HELDOUT_FILE, build_dataset
@@ -258,6 +258,29 @@ def test_heldout_split_is_deterministic_disjoint_and_written(tok, tmp_path):
         build_dataset([clashing], tok, 64, seed=1, heldout_fraction=0.25, run_dir=tmp_path / "d")
     again, _ = build_dataset([records], tok, 64, seed=1, heldout_fraction=0.25, run_dir=tmp_path / "c")
     assert again["input_ids"] == train_a["input_ids"]
+
+
+def test_conversation_opening_with_a_heldout_exchange_trains_nowhere(tok, tmp_path):
+    records = _synthetic_records(60)
+    turn = {"role": "assistant", "content": "and more"}
+    follow = {"role": "user", "content": "go on"}
+    conversations = [
+        {"id": f"c{i}", "messages": [*r["messages"], follow, turn]} for i, r in enumerate(records[:60])
+    ]
+    # first exchanges as self-distillation writes them (same id, another answer; held-out conversations,
+    # the benchmarks' prompts, are never distilled)
+    copies = [
+        {"id": c["id"], "messages": [c["messages"][0], {"role": "assistant", "content": "distilled"}]}
+        for c in conversations
+        if not is_heldout(c, 0.25)
+    ]
+    opening = [c["id"] for c in conversations if opens_heldout(c, 0.25) and not is_heldout(c, 0.25)]
+    assert opening  # the fixture has conversations whose first exchange alone is held out
+    train, held = build_dataset([conversations, copies], tok, 64, seed=1, heldout_fraction=0.25, run_dir=tmp_path)
+    assert not set(train["id"]) & set(opening) and set(opening) <= set(held["id"])
+    assert sum(i in opening for i in held["id"]) == len(opening)  # only the copies are held out
+    assert not set(train["id"]) & set(held["id"])
+    assert first_exchange(copies[0]) is None and first_exchange({"id": "t", "text": "x"}) is None
 
 
 def test_rendering_in_two_processes_gives_the_same_splits(tok, tmp_path, monkeypatch):

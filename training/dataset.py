@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from selfdraft.corpora import load_source
 from selfdraft.errors import UserError
-from selfdraft.splits import is_heldout
+from selfdraft.splits import is_heldout, opens_heldout
 from selfdraft.training.rendering import render_records
 from selfdraft.training.repetition import cut_record_repeats
 
@@ -113,11 +113,14 @@ def _render_batch(batch: dict, tokenizer, max_length: int, heldout_fraction: flo
     ]
     out: dict[str, list] = {name: [] for name in RENDERED_FEATURES}
     for record, rows in zip(records, render_records(tokenizer, records, max_length), strict=True):
+        held = is_heldout(record, heldout_fraction)
+        if not held and opens_heldout(record, heldout_fraction):
+            rows = "its first exchange is held out on its own (a self-distilled copy's split)"
         skipped = isinstance(rows, str)
         # the first token is never a label, so a row needs a masked token after it
         kept = [] if skipped else [row for row in rows if any(row["loss_mask"][1:])]
         out["id"].append(record["id"])
-        out["heldout"].append(not skipped and is_heldout(record, heldout_fraction))
+        out["heldout"].append(not skipped and held)
         out["skipped"].append(rows[:100] if skipped else None)
         out["input_ids"].append([row["input_ids"] for row in kept])
         out["loss_mask"].append([row["loss_mask"] for row in kept])
