@@ -6,6 +6,7 @@ so every architecture transformers supports works without a copied modeling file
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -64,6 +65,31 @@ class EagleHead(BorrowingModule):
             self.lm_head = None
             self.draft_vocab = None
 
+
+    def widened(self, feature_layers: Sequence[int], keep: int) -> EagleHead:
+        """These heads (reading one target layer) rebuilt to fuse `feature_layers`, whose entry `keep`
+        names the layer they read: every weight is copied and the fusion starts as the identity on that
+        layer's block and zero on the others, so the new heads compute exactly what these do; training
+        then learns what the other layers add (EAGLE-3's fusion, warm-started from EAGLE-1 heads)."""
+        if self.fuse is not None:
+            raise ValueError("these heads already fuse several target layers")
+        if not 0 <= keep < len(feature_layers) or len(feature_layers) < 2:
+            raise ValueError(f"keep={keep} must index feature_layers {list(feature_layers)} (2 or more layers)")
+        config = copy.deepcopy(self.config)
+        config.feature_layers = list(feature_layers)
+        wide = EagleHead(config)
+        weight = self.fc.weight
+        wide.to(device=weight.device, dtype=weight.dtype)
+        state = wide.state_dict()
+        state.update(self.state_dict())
+        h = config.target_hidden_size
+        fuse = torch.zeros_like(state["fuse.weight"])
+        fuse[:, keep * h : (keep + 1) * h] = torch.eye(h, dtype=fuse.dtype, device=fuse.device)
+        state["fuse.weight"] = fuse
+        wide.load_state_dict(state, strict=True)
+        if self.borrowed is not None:
+            wide.borrowed = self.borrowed
+        return wide
 
     def fuse_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
         """The target's `output_hidden_states` tuple -> the head's input feature f: [B, T, h]."""

@@ -141,3 +141,55 @@ def test_bad_head_config_values():
         HeadsConfig(head_kind="hydra")
     with pytest.raises(ValueError, match="draft_vocab_size"):
         HeadsConfig(target_vocab_size=10, draft_vocab_size=11)
+
+
+def test_widened_heads_start_as_the_one_layer_heads_and_learn_the_others():
+    """EAGLE heads reading the last layer, widened to fuse layers 1, 2 and -1, compute exactly what
+    they did (the fusion picks the last layer's block), and the other blocks still get gradients."""
+    target = tiny_target("llama")
+    heads = _heads(target, "eagle", draft_vocab_size=40)
+    wide = heads.widened([1, 2, -1], keep=2)
+    assert wide.config.feature_layers == [1, 2, -1] and heads.config.feature_layers == [-1]
+    torch.manual_seed(1)
+    hidden = [torch.randn(1, 5, 32) for _ in range(3)]
+    ids, pos = torch.randint(0, 96, (1, 5)), torch.arange(5)[None]
+    with torch.no_grad():
+        f, f_wide = heads.fuse_features(hidden), wide.fuse_features(hidden)
+        assert torch.equal(f_wide, hidden[-1])
+        torch.testing.assert_close(
+            wide.logits(wide(ids, f_wide, position_ids=pos)), heads.logits(heads(ids, f, position_ids=pos))
+        )
+    wide.logits(wide(ids, wide.fuse_features(hidden), position_ids=pos)).square().sum().backward()
+    assert wide.fuse.weight.grad[:, :32].abs().sum() > 0  # layer 1's block learns from the start
+    with pytest.raises(ValueError, match="already fuse"):
+        wide.widened([1, 2, -1], keep=0)
+    with pytest.raises(ValueError, match="must index"):
+        heads.widened([1, -1], keep=2)
+
+
+def test_run_fusing_more_layers_continues_one_layer_heads(tmp_path, tiny_target_dir):
+    """heads.init_from with one-layer heads and heads.feature_layers naming it among others: the run
+    starts from those heads, widened; a list without their layer is refused, naming both fixes."""
+    from selfdraft.errors import UserError
+    from selfdraft.target import load_target
+    from selfdraft.training.config import load_run_config
+    from selfdraft.training.train import build_run_heads
+
+    target, _ = load_target(str(tiny_target_dir))
+    heads = _heads(target, "eagle", draft_vocab_size=40)
+    save_heads(heads, tmp_path / "one")
+
+    def run_heads(layers):
+        path = tmp_path / "run.yaml"
+        path.write_text(
+            f"target: {tiny_target_dir}\nheads:\n  kind: eagle\n  draft_vocab_size: 40\n"
+            f"  feature_layers: {layers}\n  init_from: {tmp_path / 'one'}\n"
+        )
+        return build_run_heads(load_run_config(path), target, None)
+
+    wide = run_heads([1, -1])
+    assert wide.config.feature_layers == [1, -1]
+    assert torch.equal(wide.fuse.weight[:, 32:], torch.eye(32)) and not wide.fuse.weight[:, :32].any()
+    assert torch.equal(wide.fc.weight, heads.fc.weight)
+    with pytest.raises(UserError, match=r"reads target layers \[-1\].*includes it"):
+        run_heads([0, 1])  # the tiny target has 2 layers: index 2 is its last (-1)

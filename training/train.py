@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from selfdraft.errors import UserError
-from selfdraft.heads import HeadsConfig, build_heads, load_heads
+from selfdraft.heads import EagleHead, HeadsConfig, build_heads, load_heads
 from selfdraft.precision import dtype_name
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
@@ -86,15 +86,29 @@ def _check_init_from(config: RunConfig, heads, target) -> None:
     if h.kind == "eagle" and normalize_layers(target, h.feature_layers) != theirs:
         raise UserError(
             f"heads.init_from {h.init_from} reads target layers {loaded.feature_layers}, but "
-            f"heads.feature_layers is {h.feature_layers}; set heads.feature_layers: {loaded.feature_layers}"
+            f"heads.feature_layers is {h.feature_layers}; set heads.feature_layers: {loaded.feature_layers}, "
+            "or a list of several layers that includes it (the heads then learn to fuse them)"
         )
+
+
+def _widen_init(config: RunConfig, heads, target):
+    """Heads continued from one target layer on a run that fuses several layers including it start
+    as those heads with the fusion picking that layer (`EagleHead.widened`); other heads as loaded."""
+    h = config.heads
+    if h.kind != "eagle" or not isinstance(heads, EagleHead) or heads.fuse is not None or not h.feature_layers:
+        return heads
+    ours = [normalize_layers(target, [layer])[0] for layer in h.feature_layers]
+    theirs = normalize_layers(target, heads.config.feature_layers)
+    if len(ours) < 2 or len(set(ours)) != len(ours) or theirs[0] not in ours:
+        return heads
+    return heads.widened(h.feature_layers, ours.index(theirs[0]))
 
 
 def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
     h = config.heads
     resolve_for_target(config, target.config)  # idempotent: `main` resolved it already
     if h.init_from:
-        heads = load_heads(h.init_from, target)
+        heads = _widen_init(config, load_heads(h.init_from, target), target)
         _check_init_from(config, heads, target)
         return heads
     heads_config = HeadsConfig.for_target(
