@@ -65,7 +65,6 @@ class EagleHead(BorrowingModule):
             self.lm_head = None
             self.draft_vocab = None
 
-
     def widened(self, feature_layers: Sequence[int], keep: int) -> EagleHead:
         """These heads (reading one target layer) rebuilt to fuse `feature_layers`, whose entry `keep`
         names the layer they read: every weight is copied and the fusion starts as the identity on that
