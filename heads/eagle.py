@@ -90,6 +90,33 @@ class EagleHead(BorrowingModule):
             wide.borrowed = self.borrowed
         return wide
 
+    def with_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> EagleHead:
+        """These heads rebuilt over another draft vocabulary (d2t [Vd], t2d [V], the maps
+        `DraftVocab.set_maps` takes): every other weight is copied; a token the old vocabulary held
+        keeps its trained projection row, a new one starts as the target's lm_head row (as a fresh
+        draft projection does). Kept tokens' logits are unchanged; training learns the new ones.
+        The heads must be attached to their target: the new rows come from its lm_head."""
+        config = copy.deepcopy(self.config)
+        config.draft_vocab_size = d2t.numel()
+        new = EagleHead(config)
+        weight = self.fc.weight
+        new.to(device=weight.device, dtype=weight.dtype)
+        new.borrowed = self._need()
+        new.draft_vocab.set_maps(d2t.to(weight.device), t2d.to(weight.device))
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith(("lm_head.", "draft_vocab."))}
+        new.load_state_dict({**new.state_dict(), **state}, strict=True)
+        new.init_projection_from_target()
+        if self.lm_head is not None:
+            # where[t]: token t's row in the old projection, -1 if the old vocabulary lacks it
+            where = torch.full((t2d.numel(),), -1, dtype=torch.long, device=weight.device)
+            old_ids = self.draft_vocab.target_ids()
+            where[old_ids] = torch.arange(old_ids.numel(), device=weight.device)
+            rows = where[new.draft_vocab.target_ids()]
+            kept = rows >= 0
+            with torch.no_grad():
+                new.lm_head.weight[kept] = self.lm_head.weight[rows[kept]]
+        return new
+
     def fuse_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
         """The target's `output_hidden_states` tuple -> the head's input feature f: [B, T, h]."""
         chosen = [hidden_states[i] for i in self.config.feature_layers]

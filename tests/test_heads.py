@@ -193,3 +193,44 @@ def test_run_fusing_more_layers_continues_one_layer_heads(tmp_path, tiny_target_
     assert torch.equal(wide.fc.weight, heads.fc.weight)
     with pytest.raises(UserError, match=r"reads target layers \[-1\].*includes it"):
         run_heads([0, 1])  # the tiny target has 2 layers: index 2 is its last (-1)
+
+
+def test_run_with_another_draft_vocab_size_keeps_trained_rows(tmp_path, tiny_target_dir):
+    """heads.init_from with a 40-token draft vocabulary and heads.draft_vocab_size 60: the run's heads
+    draft over the 60 most frequent training tokens; tokens both vocabularies hold keep their trained
+    rows (the same logits for the same feature), new ones start as the target's lm_head rows, and every
+    other weight is the loaded heads'. An unset size keeps theirs."""
+    from selfdraft.target import load_target
+    from selfdraft.training.config import load_run_config
+    from selfdraft.training.train import build_run_heads
+
+    target, _ = load_target(str(tiny_target_dir))
+    heads = _heads(target, "eagle", draft_vocab_size=40)  # draft ids 0..39 are target ids 0..39
+    save_heads(heads, tmp_path / "one")
+    # tokens 20..79 are the 60 most frequent labels: 20..39 are kept, 40..79 are new; 0..19 leave
+    ids = list(range(20, 80)) * 3 + list(range(0, 20)) + list(range(100, 110))
+    train = [{"input_ids": ids, "loss_mask": [1] * 200 + [0] * 10}]  # 100..109 are not labels
+
+    def run_heads(size_line):
+        path = tmp_path / "run.yaml"
+        path.write_text(
+            f"target: {tiny_target_dir}\nheads:\n  kind: eagle\n{size_line}  init_from: {tmp_path / 'one'}\n"
+        )
+        return build_run_heads(load_run_config(path), target, train)
+
+    new = run_heads("  draft_vocab_size: 60\n")
+    assert new.config.draft_vocab_size == 60
+    assert torch.equal(new.draft_vocab.target_ids(), torch.arange(20, 80))
+    assert new.draft_vocab.t2d.nonzero().flatten().tolist() == list(range(20, 80))
+    assert torch.equal(new.lm_head.weight[:20], heads.lm_head.weight[20:40])
+    assert torch.equal(new.lm_head.weight[20:], target.get_output_embeddings().weight[40:80])
+    old_state = {k: v for k, v in heads.state_dict().items() if not k.startswith(("lm_head", "draft_vocab"))}
+    assert all(torch.equal(new.state_dict()[k], v) for k, v in old_state.items())
+    torch.manual_seed(1)
+    f, tok, pos = torch.randn(1, 4, 32), torch.randint(0, 96, (1, 4)), torch.arange(4)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            new.logits(new(tok, f, position_ids=pos))[..., :20],
+            heads.logits(heads(tok, f, position_ids=pos))[..., 20:],
+        )
+    assert run_heads("").config.draft_vocab_size == 40

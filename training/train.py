@@ -104,13 +104,32 @@ def _widen_init(config: RunConfig, heads, target):
     return heads.widened(h.feature_layers, ours.index(theirs[0]))
 
 
+def _revocab_init(config: RunConfig, heads, train):
+    """Heads continued on a run whose heads.draft_vocab_size differs from theirs get a vocabulary of
+    that size rebuilt from the run's training tokens, keeping their trained rows for the tokens both
+    hold (`EagleHead.with_draft_vocab`); unset or equal sizes keep theirs."""
+    h = config.heads
+    size = h.draft_vocab_size
+    theirs = heads.config.draft_vocab_size if getattr(heads, "draft_vocab", None) is not None else None
+    if h.kind != "eagle" or not size or size == theirs:
+        return heads
+    if not isinstance(heads, EagleHead):
+        raise UserError(
+            f"heads.init_from {h.init_from} holds {type(heads).__name__} heads with draft vocabulary "
+            f"{theirs}, and heads.draft_vocab_size is {size}; only selfdraft-layout EAGLE heads can change "
+            f"their draft vocabulary: set heads.draft_vocab_size: {theirs}"
+        )
+    counts = count_tokens(train, heads.config.target_vocab_size)
+    return heads.with_draft_vocab(*build_draft_vocab(counts, size))
+
+
 def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
     h = config.heads
     resolve_for_target(config, target.config)  # idempotent: `main` resolved it already
     if h.init_from:
         heads = _widen_init(config, load_heads(h.init_from, target), target)
         _check_init_from(config, heads, target)
-        return heads
+        return _revocab_init(config, heads, train)
     heads_config = HeadsConfig.for_target(
         target.config,
         head_kind=h.kind,
