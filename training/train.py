@@ -26,6 +26,7 @@ from selfdraft.heads import EagleHead, HeadsConfig, build_heads, load_heads
 from selfdraft.precision import dtype_name
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
+from selfdraft.training.allocator import keep_freed_memory
 from selfdraft.training.batches import SampleStream, collate, split_lengths
 from selfdraft.training.config import (
     PRECISIONS,
@@ -374,6 +375,8 @@ def main(argv=None) -> int:
     overrides["train"] = {k: v for k, v in train_overrides.items() if v is not None}
     config = load_run_config(args.config, overrides)
     rank, world, device = init_distributed()
+    if device.type == "cpu":
+        keep_freed_memory()
     output_dir = Path(config.output_dir)
     dtype = resolve_precision(config.train.precision, device)  # target, features and heads' compute
     target, tokenizer = load_target(config.target, dtype=dtype, device=device)
