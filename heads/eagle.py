@@ -74,21 +74,27 @@ class EagleHead(BorrowingModule):
             raise ValueError("these heads already fuse several target layers")
         if not 0 <= keep < len(feature_layers) or len(feature_layers) < 2:
             raise ValueError(f"keep={keep} must index feature_layers {list(feature_layers)} (2 or more layers)")
-        config = copy.deepcopy(self.config)
-        config.feature_layers = list(feature_layers)
-        wide = EagleHead(config)
-        weight = self.fc.weight
-        wide.to(device=weight.device, dtype=weight.dtype)
+        wide = self._rebuilt(feature_layers=list(feature_layers))
         state = wide.state_dict()
         state.update(self.state_dict())
-        h = config.target_hidden_size
+        h = self.config.target_hidden_size
         fuse = torch.zeros_like(state["fuse.weight"])
         fuse[:, keep * h : (keep + 1) * h] = torch.eye(h, dtype=fuse.dtype, device=fuse.device)
         state["fuse.weight"] = fuse
         wide.load_state_dict(state, strict=True)
-        if self.borrowed is not None:
-            wide.borrowed = self.borrowed
         return wide
+
+    def _rebuilt(self, **changes) -> EagleHead:
+        """Fresh heads of this config with `changes`, on these heads' device and dtype, borrowing from
+        the same target (their weights are the caller's to fill)."""
+        config = copy.deepcopy(self.config)
+        for name, value in changes.items():
+            setattr(config, name, value)
+        new = EagleHead(config)
+        weight = self.fc.weight
+        new.to(device=weight.device, dtype=weight.dtype)
+        new.borrowed = self.borrowed
+        return new
 
     def with_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> EagleHead:
         """These heads rebuilt over another draft vocabulary (d2t [Vd], t2d [V], the maps
@@ -96,12 +102,9 @@ class EagleHead(BorrowingModule):
         keeps its trained projection row, a new one starts as the target's lm_head row (as a fresh
         draft projection does). Kept tokens' logits are unchanged; training learns the new ones.
         The heads must be attached to their target: the new rows come from its lm_head."""
-        config = copy.deepcopy(self.config)
-        config.draft_vocab_size = d2t.numel()
-        new = EagleHead(config)
+        self._need()
+        new = self._rebuilt(draft_vocab_size=d2t.numel())
         weight = self.fc.weight
-        new.to(device=weight.device, dtype=weight.dtype)
-        new.borrowed = self._need()
         new.draft_vocab.set_maps(d2t.to(weight.device), t2d.to(weight.device))
         state = {k: v for k, v in self.state_dict().items() if not k.startswith(("lm_head.", "draft_vocab."))}
         new.load_state_dict({**new.state_dict(), **state}, strict=True)
