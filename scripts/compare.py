@@ -8,13 +8,16 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "configs", nargs="+", help="run configs whose runs (their output_dir) to compare; the first is the reference"
+        "configs",
+        nargs="+",
+        help="run configs whose runs (their output_dir) to compare; the first is the reference. A run that "
+        "kept snapshots (schedule.snapshot_tokens) gives one row per snapshot",
     )
     parser.add_argument(
         "--out",
         default=None,
         help="folder for compare.md and compare.png, plus scaling.png when the runs trained on different "
-        "data sizes (data.train_tokens) (default: print only)",
+        "data sizes (data.train_tokens, or snapshots along one run) (default: print only)",
     )
 
 
@@ -24,10 +27,11 @@ def run(args: argparse.Namespace) -> int:
         plot_comparison,
         plot_scaling,
         read_run,
+        read_snapshots,
         shows_scaling,
     )
 
-    rows = [read_run(c) for c in args.configs]
+    rows = [row for c in args.configs for row in (read_snapshots(c) or [read_run(c)])]
     table = comparison_markdown(rows)
     print(table, end="")
     if args.out:

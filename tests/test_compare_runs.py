@@ -96,3 +96,46 @@ def test_data_size_runs_compare_and_plot_a_scaling_curve(tmp_path, capsys):
     assert main(["compare", *map(str, runs), "--out", str(out)]) == 0
     assert (out / "scaling.png").stat().st_size > 0
     capsys.readouterr()
+
+
+def test_snapshots_along_one_run_give_the_data_size_rows(tmp_path, capsys):
+    """A run that kept snapshots (schedule.snapshot_tokens) is one row per snapshot: its tokens fed,
+    the scores training logged with it, and the minutes trained by then over every session; a snapshot
+    that a resumed run kept again counts once."""
+    from selfdraft.training.comparison import read_snapshots
+
+    config = _run(tmp_path, "pass", "", [0.6, 0.5])
+    run = tmp_path / "runs" / "pass"
+
+    def snap(step, n, fed, top1, time):
+        path = str(run / "snapshots" / f"tokens-{n}")
+        scores = {"eval_top1_by_depth": top1, "eval_simulated_tau_chain": 1 + sum(top1)}
+        return {"step": step, "event": "snapshot", "path": path, "tokens_fed": fed, **scores, "time": time}
+
+    log = [
+        {"step": 0, "event": "start", "time": 0.0},
+        snap(10, 1000, 1020, [0.3, 0.2], 120.0),
+        {"step": 20, "event": "checkpoint", "time": 300.0},
+        {"step": 25, "loss": 3.0, "time": 360.0},  # killed here; the resume replays steps 21-25
+        {"step": 20, "event": "resume", "time": 1000.0},
+        snap(22, 3000, 3050, [0.4, 0.3], 1060.0),
+        snap(22, 3000, 3050, [0.4, 0.3], 1060.0),
+        snap(40, 10000, 10010, [0.5, 0.45], 1600.0),
+    ]
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    rows = read_snapshots(config)
+    assert [(r.name, r.steps, r.train_tokens) for r in rows] == [
+        ("pass@tokens-1000", 10, 1020),
+        ("pass@tokens-3000", 22, 3050),
+        ("pass@tokens-10000", 40, 10010),
+    ]
+    assert [r.top1_by_depth for r in rows] == [[0.3, 0.2], [0.4, 0.3], [0.5, 0.45]]
+    assert [r.train_minutes for r in rows] == pytest.approx([2.0, 7.0, 16.0])  # 6 min before the kill
+    assert all(r.snapshot for r in rows) and read_snapshots(_run(tmp_path, "plain", "", [0.1])) == []
+
+    out = tmp_path / "report"
+    assert main(["compare", str(config), "--out", str(out)]) == 0
+    table = (out / "compare.md").read_text()
+    assert "| pass@tokens-3000 |" in table and "| 10,010 |" in table and "| pass |" not in table
+    assert (out / "scaling.png").stat().st_size > 0
+    capsys.readouterr()

@@ -143,6 +143,9 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
     digest = json.loads((run / "ranks" / "rank0.json").read_text())["params_sha256"]
     reference = json.loads((straight / "ranks" / "rank0.json").read_text())["params_sha256"]
     assert digest == reference
+    # and has counted the tokens fed before the kill: the count comes back with the checkpoint
+    fed = [r["tokens_fed"] for r in log if "tokens_fed" in r and r["step"] == steps]
+    assert fed == [r["tokens_fed"] for r in read_log(straight) if "tokens_fed" in r and r["step"] == steps]
 
 
 def test_configs_in_repo_parse():
@@ -167,6 +170,12 @@ def test_unknown_and_mistyped_keys_are_rejected(tmp_path):
         load_run_config(path)
     path.write_text("heads:\n  draft_vocab_size: many\n")
     with pytest.raises(ConfigError, match="heads.draft_vocab_size"):
+        load_run_config(path)
+    path.write_text("train:\n  lr_schedule: linear\n")
+    with pytest.raises(ConfigError, match="train.lr_schedule: 'linear' is not one of cosine, constant"):
+        load_run_config(path)
+    path.write_text("schedule:\n  snapshot_tokens: [0, 100]\n")
+    with pytest.raises(ConfigError, match="schedule.snapshot_tokens"):
         load_run_config(path)
     path.write_text("optimiser: adam\n")
     with pytest.raises(ConfigError, match="'optimiser'"):
@@ -210,6 +219,48 @@ def test_single_process_medusa_run(tmp_path, tiny_target_dir):
     assert model.heads.num_heads == 3
     prompt = model.chat_ids("Hello")
     assert model.generate(prompt, 10, stop_token_ids=[]).tokens == greedy_reference(model.target, prompt, 10)
+
+
+def test_constant_lr_run_keeps_snapshots_along_the_way(tmp_path, tiny_target_dir):
+    """One run, several data sizes: heads kept where the tokens fed reach the listed counts,
+    under a flat lr so that no snapshot is taken mid-decay."""
+    config = write_config(tmp_path, tiny_target_dir, max_steps=6, lr_schedule="constant", warmup_steps=3)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["schedule"].update(snapshot_tokens=[1, 2, 400], save_every=6)
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    log = read_log(run)
+    # logged after each step's scheduler step: the warmup's last third, then flat (cosine would decay)
+    assert [r["lr"] for r in log if "lr" in r] == pytest.approx([0.01 * 2 / 3] + [0.01] * 5)
+    fed = {r["step"]: r["tokens_fed"] for r in log if "loss" in r}
+    assert all(fed[s] < fed[s + 1] for s in range(1, 6))
+    at = next(s for s in range(1, 7) if fed[s] >= 400)
+    assert 1 < at < 6, "choose a snapshot count that falls mid-run"
+    snaps = [r for r in log if r.get("event") == "snapshot"]
+    # 1 and 2 are both reached by step 1: two snapshots of the same heads
+    assert [(r["step"], r["tokens_fed"]) for r in snaps] == [(1, fed[1]), (1, fed[1]), (at, fed[at])]
+    assert sorted(p.name for p in (run / "snapshots").iterdir()) == ["tokens-1", "tokens-2", "tokens-400"]
+
+    from selfdraft.heads import load_heads
+
+    kept = [load_heads(run / "snapshots" / f"tokens-{n}").state_dict() for n in (2, 400)]
+    final = load_heads(run / "heads").state_dict()
+    for earlier, later in zip(kept, kept[1:] + [final], strict=True):
+        assert earlier.keys() == later.keys()
+        assert any(not torch.equal(earlier[k], later[k]) for k in earlier)  # each is its own step's heads
+
+    # the schedule is named in the fingerprint: a resume under the other schedule is refused
+    assert load_run_config(config).fingerprint() != load_run_config(
+        config, {"train": {"lr_schedule": "cosine"}}
+    ).fingerprint()
 
 
 def test_length_grouped_stream_keeps_epochs_whole_and_cuts_padding():

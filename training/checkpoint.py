@@ -124,9 +124,12 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def export_heads(engine, heads, output_dir: Path, rank: int, zero_stage: int) -> Path | None:
-    """Write the consolidated heads (every rank joins the gather under ZeRO-3; rank 0 writes)."""
-    dest = output_dir / "heads"
+def export_heads(
+    engine, heads, output_dir: Path, rank: int, zero_stage: int, dest: Path | None = None
+) -> Path | None:
+    """Write the consolidated heads to `dest` (default: the run's heads/; every rank joins the gather
+    under ZeRO-3, rank 0 writes)."""
+    dest = dest or output_dir / "heads"
     with gathered(heads, zero_stage):
         if rank == 0:
             _atomic_save(heads, dest)

@@ -35,7 +35,9 @@ class RunRow:
     top1_by_depth: list[float]
     simulated_tau_chain: float
     data_key: str  # the data section and eval size: rows with different keys saw different held-out text
-    train_tokens: int | None = None  # tokens in the run's training split (None: its split is gone)
+    # tokens in the run's training split (None: its split is gone); for a snapshot, the tokens fed by then
+    train_tokens: int | None = None
+    snapshot: bool = False  # heads kept along a run (schedule.snapshot_tokens), not its last evaluation
 
 
 def train_split_tokens(run_dir: Path) -> int | None:
@@ -63,22 +65,60 @@ def read_run(config_path: str | Path) -> RunRow:
             f"{config_path}: run {run_dir} has no held-out evaluation yet; set schedule.eval_every to at "
             "most train.max_steps and finish the run (selfdraft train --resume)"
         )
+    row = _row(config, Path(config_path).stem, summary["steps"], summary["train_seconds"] / 60, evaluation)
+    return dataclasses.replace(row, train_tokens=train_split_tokens(run_dir))
+
+
+def _row(config, name: str, steps: int, minutes: float, evaluation: dict) -> RunRow:
     # a token budget changes only the training rows (`data.train_tokens`): the held-out text is the same
     data = dataclasses.asdict(config.data) | {"eval_examples": config.schedule.eval_examples}
     data.pop("train_tokens")
     return RunRow(
-        name=Path(config_path).stem,
+        name=name,
         layout=config.heads.layout,
         feature_layers=config.heads.feature_layers,
         ttt_steps=config.train.ttt_steps,
         draft_vocab_size=config.heads.draft_vocab_size,
-        steps=summary["steps"],
-        train_minutes=summary["train_seconds"] / 60,
+        steps=steps,
+        train_minutes=minutes,
         top1_by_depth=list(evaluation["eval_top1_by_depth"]),
         simulated_tau_chain=float(evaluation["eval_simulated_tau_chain"]),
         data_key=json.dumps(data, sort_keys=True),
-        train_tokens=train_split_tokens(run_dir),
     )
+
+
+def read_snapshots(config_path: str | Path) -> list[RunRow]:
+    """One row per heads snapshot of the run that `config_path` trains (`schedule.snapshot_tokens`),
+    scored by training when it kept them; train_tokens is what the run had fed by then (distinct data
+    while the run is within its first epoch). Empty when the run kept none."""
+    config = load_run_config(config_path)
+    path = Path(config.output_dir) / "log.jsonl"
+    log = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows, seen = [], set()
+    for r in log:
+        # a resumed run replays the steps after its last checkpoint and keeps their snapshots again
+        if r.get("event") != "snapshot" or "eval_top1_by_depth" not in r or r["path"] in seen:
+            continue
+        seen.add(r["path"])
+        name = f"{Path(config_path).stem}@{Path(r['path']).name}"
+        row = _row(config, name, r["step"], train_minutes_until(log, r["time"]), r)
+        rows.append(dataclasses.replace(row, train_tokens=r["tokens_fed"], snapshot=True))
+    return rows
+
+
+def train_minutes_until(log: list[dict], when: float) -> float:
+    """Wall minutes a run's log spent training up to time `when`: each session (start or resume) counts
+    from its start to its last row at or before `when`."""
+    total, start, last = 0.0, None, None
+    for r in log:
+        if r["time"] > when:
+            break
+        if r.get("event") in ("start", "resume"):
+            total += (last - start) if start is not None else 0.0
+            start = r["time"]
+        last = r["time"]
+    total += (last - start) if start is not None else 0.0
+    return total / 60
 
 
 def comparison_markdown(rows: list[RunRow]) -> str:
@@ -135,7 +175,8 @@ def shows_scaling(rows: list[RunRow]) -> bool:
 
 
 def plot_scaling(rows: list[RunRow], path: Path) -> Path:
-    """Held-out top-1 against training tokens (log scale), one line per draft depth."""
+    """Held-out top-1 against training tokens (log scale), one line per draft depth: runs on data budgets
+    (`data.train_tokens`) or snapshots along one pass (`read_snapshots`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,12 +188,12 @@ def plot_scaling(rows: list[RunRow], path: Path) -> Path:
         points = [(r.train_tokens, r.top1_by_depth[d]) for r in ordered if d < len(r.top1_by_depth)]
         ax.plot(*zip(*points, strict=True), marker="o", label=f"depth {d + 1}")
     ax.set_xscale("log")
-    steps = sorted({r.steps for r in rows})
-    ax.set(
-        xlabel="tokens in the training split",
-        ylabel="held-out top-1 agreement",
-        title=f"Data size, {'/'.join(map(str, steps))} steps each",
-    )
+    if all(r.snapshot for r in rows):
+        xlabel, title = "tokens fed, each seen once", "Data size along one pass (flat lr)"
+    else:
+        steps = sorted({r.steps for r in rows})
+        xlabel, title = "tokens in the training split", f"Data size, {'/'.join(map(str, steps))} steps each"
+    ax.set(xlabel=xlabel, ylabel="held-out top-1 agreement", title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)

@@ -15,6 +15,7 @@ from selfdraft.precision import cpu_has_native_bf16
 from selfdraft.typed_config import ConfigError, build_dataclass
 
 PRECISIONS = ("auto", "bf16", "fp32")
+LR_SCHEDULES = ("cosine", "constant")
 # heads.layout: "selfdraft" = our EAGLE head (a 1-layer body of the target's own class); "eagle3" = the
 # published EAGLE-3 architecture (heads/foreign/modules.py), which `selfdraft export --to vllm|sglang`
 # writes for the engines.
@@ -69,6 +70,9 @@ class TrainSection:
     lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 20
+    # "cosine": down to a tenth of lr by the last step; "constant": lr after the warmup, so snapshots
+    # taken along one run (schedule.snapshot_tokens) each stand for a run stopped there
+    lr_schedule: str = "cosine"
     grad_clip: float = 1.0
     ttt_steps: int = 1  # EAGLE "training-time test": unroll the head on its own features n times
     ttt_decay: float = 0.8
@@ -97,6 +101,10 @@ class ScheduleSection:
     eval_examples: int = 64
     eval_tree: str = "small"  # tree whose acceptance length evaluation simulates (besides a chain)
     keep_checkpoints: int = 2
+    # token counts at which the heads are also kept, in snapshots/tokens-N: at the step whose tokens fed
+    # (every rank's attention-mask ones) first reach N. A data-size curve from one run: with
+    # train.lr_schedule constant and at most one epoch, the heads at N have seen N tokens of distinct data
+    snapshot_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -131,6 +139,8 @@ class RunConfig:
             del heads["layout"], heads["fc_bias"]
         if not data["train"]["mask_out_of_vocab"]:
             del data["train"]["mask_out_of_vocab"]
+        if data["train"]["lr_schedule"] == "cosine":
+            del data["train"]["lr_schedule"]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -245,6 +255,15 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
         raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
     _check_precision(config.train.precision)
     _check_layout(config)
+    if config.train.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(
+            f"train.lr_schedule: {config.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
+        )
+    if any(n < 1 for n in config.schedule.snapshot_tokens):
+        raise ConfigError(
+            f"schedule.snapshot_tokens: {config.schedule.snapshot_tokens}; list token counts >= 1 at which "
+            "to keep the heads"
+        )
     if config.train.length_grouping < 0:
         raise ConfigError(
             f"train.length_grouping: {config.train.length_grouping}; use 0 (random batches) or a window of "

@@ -179,10 +179,14 @@ def deepspeed_config(config: RunConfig, world: int, dtype: torch.dtype) -> dict:
     return ds
 
 
-def lr_lambda(warmup: int, total: int):
+def lr_lambda(warmup: int, total: int, schedule: str = "cosine"):
+    """LR multiplier by optimizer step: a linear warmup, then a cosine to 0.1 by `total` or flat."""
+
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
         progress = (step - warmup) / max(1, total - warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -435,7 +439,9 @@ def main(argv=None) -> int:
         lr=config.train.lr,
         weight_decay=config.train.weight_decay,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train.warmup_steps, total))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(config.train.warmup_steps, total, config.train.lr_schedule)
+    )
     ds_config = deepspeed_config(config, world, dtype)
     engine, _, _, _ = deepspeed.initialize(
         model=DraftObjective(heads), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
@@ -443,10 +449,12 @@ def main(argv=None) -> int:
     zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
 
     step = 0
+    tokens_before = 0
     tag = ckpt.latest_tag(output_dir) if args.resume else None
     if tag:
         _, client = engine.load_checkpoint(str(output_dir / "checkpoints"), tag=tag)
         step = int(client["step"])
+        tokens_before = int(client.get("tokens_fed", 0))  # 0: a checkpoint written before it was kept
     log = RunLog(output_dir, rank == 0)
     log.write(
         {
@@ -463,6 +471,8 @@ def main(argv=None) -> int:
     )
     bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0, unit="step")
     tokens_seen = 0
+    snapshots = sorted(set(config.schedule.snapshot_tokens))
+    fed_last = tokens_before
     t_start = time.perf_counter()
     while step < total:
         metrics: dict[str, float] = {}
@@ -493,9 +503,19 @@ def main(argv=None) -> int:
                     "top1_by_depth": accs,
                     "lr": scheduler.get_last_lr()[0],
                     "tokens_per_s_rank": tokens_seen / elapsed,
+                    "tokens_fed": fed_tokens(tokens_before, tokens_seen, device, world),
                     "world_size": world,
                 }
             )
+        fed = fed_tokens(tokens_before, tokens_seen, device, world) if snapshots else 0
+        reached = [n for n in snapshots if fed_last < n <= fed]
+        scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world) if reached else {}
+        for n in reached:  # each with its held-out scores: `selfdraft compare` draws the curve from them
+            dest = output_dir / "snapshots" / f"tokens-{n}"
+            dest.parent.mkdir(exist_ok=True)
+            ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage, dest=dest)
+            log.write({"step": step, "event": "snapshot", "path": str(dest), "tokens_fed": fed, **scores})
+        fed_last = fed
         # evaluation and saving are collective (every rank, same order): under ZeRO-3 both gather the
         # heads' partitioned parameters from all ranks
         if step % config.schedule.eval_every == 0 or step == total:
@@ -504,11 +524,13 @@ def main(argv=None) -> int:
         if step % config.schedule.save_every == 0 or step == total:
             save_tag = f"step-{step:07d}"
 
-            def save(save_tag: str = save_tag, step: int = step) -> None:
+            fed = fed_tokens(tokens_before, tokens_seen, device, world)
+
+            def save(save_tag: str = save_tag, step: int = step, fed: int = fed) -> None:
                 engine.save_checkpoint(
                     str(output_dir / "checkpoints"),
                     tag=save_tag,
-                    client_state={"step": step, "fingerprint": config.fingerprint()},
+                    client_state={"step": step, "fingerprint": config.fingerprint(), "tokens_fed": fed},
                 )
                 ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage)
 
@@ -523,6 +545,16 @@ def main(argv=None) -> int:
     ckpt.write_rank_report(output_dir, rank, world, step, engine.module.heads, zero_stage)
     dist.barrier()
     return 0
+
+
+def fed_tokens(before: int, local: int, device: torch.device, world: int) -> int:
+    """Tokens (attention-mask ones) every rank has fed the heads since the run began: `before` came
+    from the checkpoint resumed, `local` is this rank's count since then (collective when world > 1)."""
+    if world == 1:
+        return before + local
+    count = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(count)
+    return before + int(count.item())
 
 
 def run_worker(argv=None) -> int:
