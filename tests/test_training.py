@@ -53,6 +53,19 @@ def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def train_in_one_process(config: Path) -> Path:
+    """Run the worker as one plain process (no launcher); its run folder."""
+    proc = subprocess.run(
+        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(yaml.safe_load(config.read_text())["output_dir"])
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_rank_deepspeed_job(tmp_path, tiny_target_dir, stage):
     config = write_config(tmp_path, tiny_target_dir, stage)
@@ -163,22 +176,20 @@ def test_configs_in_repo_parse():
     assert trees and all(resolve_tree(str(path)).max_depth >= 1 for path in trees)
 
 
-def test_unknown_and_mistyped_keys_are_rejected(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train:\n  lerning_rate: 0.1\n", "unknown key train.'lerning_rate'"),
+        ("heads:\n  draft_vocab_size: many\n", "heads.draft_vocab_size"),
+        ("train:\n  lr_schedule: linear\n", "train.lr_schedule: 'linear' is not one of cosine, constant"),
+        ("schedule:\n  snapshot_tokens: [0, 100]\n", "schedule.snapshot_tokens"),
+        ("optimiser: adam\n", "'optimiser'"),
+    ],
+)
+def test_unknown_and_mistyped_keys_are_rejected(tmp_path, text, message):
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  lerning_rate: 0.1\n")
-    with pytest.raises(ConfigError, match="unknown key train.'lerning_rate'"):
-        load_run_config(path)
-    path.write_text("heads:\n  draft_vocab_size: many\n")
-    with pytest.raises(ConfigError, match="heads.draft_vocab_size"):
-        load_run_config(path)
-    path.write_text("train:\n  lr_schedule: linear\n")
-    with pytest.raises(ConfigError, match="train.lr_schedule: 'linear' is not one of cosine, constant"):
-        load_run_config(path)
-    path.write_text("schedule:\n  snapshot_tokens: [0, 100]\n")
-    with pytest.raises(ConfigError, match="schedule.snapshot_tokens"):
-        load_run_config(path)
-    path.write_text("optimiser: adam\n")
-    with pytest.raises(ConfigError, match="'optimiser'"):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
         load_run_config(path)
 
 
@@ -197,15 +208,7 @@ def test_single_process_medusa_run(tmp_path, tiny_target_dir):
     cfg = yaml.safe_load(config.read_text())
     cfg["heads"] = {"kind": "medusa", "medusa_num_heads": 3}
     config.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run(
-        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "run"
+    run = train_in_one_process(config)
     log = read_log(run)
     assert json.loads((run / "ranks" / "rank0.json").read_text())["world_size"] == 1
     losses = [r["loss"] for r in log if "loss" in r]
@@ -228,15 +231,7 @@ def test_constant_lr_run_keeps_snapshots_along_the_way(tmp_path, tiny_target_dir
     cfg = yaml.safe_load(config.read_text())
     cfg["schedule"].update(snapshot_tokens=[1, 2, 400], save_every=6)
     config.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run(
-        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "run"
+    run = train_in_one_process(config)
     log = read_log(run)
     # logged after each step's scheduler step: the warmup's last third, then flat (cosine would decay)
     assert [r["lr"] for r in log if "lr" in r] == pytest.approx([0.01 * 2 / 3] + [0.01] * 5)
