@@ -9,7 +9,7 @@ import pytest
 
 from selfdraft.errors import UserError
 from selfdraft.scripts.cli import main
-from selfdraft.training.comparison import comparison_markdown, read_run
+from selfdraft.training.comparison import comparison_markdown, read_run, token_count_label
 
 
 def _run(tmp_path: Path, name: str, extra: str, top1: list[float] | None, minutes: float = 2.0) -> Path:
@@ -96,6 +96,14 @@ def test_data_size_runs_compare_and_plot_a_scaling_curve(tmp_path, capsys):
     assert main(["compare", *map(str, runs), "--out", str(out)]) == 0
     assert (out / "scaling.png").stat().st_size > 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "label"),
+    [(22_703, "23k"), (500_507, "500k"), (1_001_887, "1M"), (1_369_222, "1.4M"), (10_512_345, "11M"), (64, "64")],
+)
+def test_scaling_axis_labels_the_token_counts_to_two_digits(tokens, label):
+    assert token_count_label(tokens) == label
 
 
 def test_snapshots_along_one_run_give_the_data_size_rows(tmp_path, capsys):

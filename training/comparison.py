@@ -174,6 +174,16 @@ def shows_scaling(rows: list[RunRow]) -> bool:
     return None not in sizes and len(sizes) > 1
 
 
+def token_count_label(n: int) -> str:
+    """A token count to two significant digits: 22,703 -> '23k', 500,507 -> '500k', 1,369,222 -> '1.4M'."""
+    rounded = round(n, 2 - len(str(n))) if n >= 100 else n
+    if rounded >= 1_000_000:
+        return f"{rounded / 1e6:g}M"
+    if rounded >= 1_000:
+        return f"{rounded / 1e3:g}k"
+    return str(rounded)
+
+
 def plot_scaling(rows: list[RunRow], path: Path) -> Path:
     """Held-out top-1 against training tokens (log scale), one line per draft depth: runs on data budgets
     (`data.train_tokens`) or snapshots along one pass (`read_snapshots`)."""
@@ -181,6 +191,7 @@ def plot_scaling(rows: list[RunRow], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     ordered = sorted(rows, key=lambda r: r.train_tokens)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -188,6 +199,10 @@ def plot_scaling(rows: list[RunRow], path: Path) -> Path:
         points = [(r.train_tokens, r.top1_by_depth[d]) for r in ordered if d < len(r.top1_by_depth)]
         ax.plot(*zip(*points, strict=True), marker="o", label=f"depth {d + 1}")
     ax.set_xscale("log")
+    # Log-scale minor labels collide at these spans; label the measured sizes themselves.
+    sizes = sorted({r.train_tokens for r in rows})
+    ax.set_xticks(sizes, [token_count_label(n) for n in sizes])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     if all(r.snapshot for r in rows):
         xlabel, title = "tokens fed, each seen once", "Data size along one pass (flat lr)"
     else:

@@ -494,6 +494,7 @@ def main(argv=None) -> int:
         accs, _ = simulated_tau(out.depths, TreeSpec.chain(len(out.depths)))
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{accs[0] if accs else 0:.2f}")
         bar.update(1)
+        fed = fed_tokens(tokens_before, tokens_seen, device, world)
         if step % config.schedule.log_every == 0 or step == total:
             elapsed = time.perf_counter() - t_start
             log.write(
@@ -503,11 +504,10 @@ def main(argv=None) -> int:
                     "top1_by_depth": accs,
                     "lr": scheduler.get_last_lr()[0],
                     "tokens_per_s_rank": tokens_seen / elapsed,
-                    "tokens_fed": fed_tokens(tokens_before, tokens_seen, device, world),
+                    "tokens_fed": fed,
                     "world_size": world,
                 }
             )
-        fed = fed_tokens(tokens_before, tokens_seen, device, world) if snapshots else 0
         reached = [n for n in snapshots if fed_last < n <= fed]
         scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world) if reached else {}
         for n in reached:  # each with its held-out scores: `selfdraft compare` draws the curve from them
@@ -523,8 +523,6 @@ def main(argv=None) -> int:
             log.write({"step": step, **scores})
         if step % config.schedule.save_every == 0 or step == total:
             save_tag = f"step-{step:07d}"
-
-            fed = fed_tokens(tokens_before, tokens_seen, device, world)
 
             def save(save_tag: str = save_tag, step: int = step, fed: int = fed) -> None:
                 engine.save_checkpoint(
