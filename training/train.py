@@ -494,8 +494,11 @@ def main(argv=None) -> int:
         accs, _ = simulated_tau(out.depths, TreeSpec.chain(len(out.depths)))
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{accs[0] if accs else 0:.2f}")
         bar.update(1)
-        fed = fed_tokens(tokens_before, tokens_seen, device, world)
-        if step % config.schedule.log_every == 0 or step == total:
+        log_now = step % config.schedule.log_every == 0 or step == total
+        save_now = step % config.schedule.save_every == 0 or step == total
+        # a collective when world > 1: only on the steps that use the count (same on every rank)
+        fed = fed_tokens(tokens_before, tokens_seen, device, world) if snapshots or log_now or save_now else fed_last
+        if log_now:
             elapsed = time.perf_counter() - t_start
             log.write(
                 {
@@ -521,7 +524,7 @@ def main(argv=None) -> int:
         if step % config.schedule.eval_every == 0 or step == total:
             scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world)
             log.write({"step": step, **scores})
-        if step % config.schedule.save_every == 0 or step == total:
+        if save_now:
             save_tag = f"step-{step:07d}"
 
             def save(save_tag: str = save_tag, step: int = step, fed: int = fed) -> None:
