@@ -258,6 +258,38 @@ def test_constant_lr_run_keeps_snapshots_along_the_way(tmp_path, tiny_target_dir
     ).fingerprint()
 
 
+def test_time_budget_ends_the_cosine_and_stops_where_it_saves(tmp_path, tiny_target_dir):
+    """train.max_minutes: the run stops at the first step past the budget (long before max_steps),
+    evaluates and saves there; a resume finds the budget spent and trains no further."""
+    from selfdraft.training.train import TimeBudget, lr_lambda
+
+    budget = TimeBudget(seconds=100.0)
+    f = lr_lambda(2, 1000, "cosine", budget.fraction)
+    budget.elapsed = 50.0
+    assert f(0) == pytest.approx(0.5) and f(3) == pytest.approx(0.55, abs=1e-3)  # time, not step 3 of 1000
+    budget.elapsed = 250.0
+    assert budget.spent and f(4) == pytest.approx(0.1)
+    assert not TimeBudget(seconds=None, elapsed=1e9).spent
+
+    config = write_config(tmp_path, tiny_target_dir, max_steps=60, max_minutes=0.002)
+    run = train_in_one_process(config)
+    log = read_log(run)
+    done = next(r for r in log if r.get("event") == "done")
+    assert done["stopped"] == "max_minutes" and 1 <= done["step"] < 60
+    last = [r for r in log if r["step"] == done["step"]]
+    assert {"loss", "eval_loss"} <= {k for r in last for k in r}
+    assert any(r.get("event") == "checkpoint" for r in last) and (run / "heads").is_dir()
+
+    worker = [PY, "-m", "selfdraft.training.train", "--config", str(config), "--resume"]
+    again = subprocess.run(worker, env=_env(), capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = read_log(run)[len(log) :]
+    assert [r.get("event") for r in resumed] == ["resume", "done"] and resumed[-1]["step"] == done["step"]
+
+    with pytest.raises(ConfigError, match="train.max_minutes"):
+        load_run_config(config, {"train": {"max_minutes": 0}})
+
+
 def test_length_grouped_stream_keeps_epochs_whole_and_cuts_padding():
     """Grouped micro-batches still cover every example once per epoch, in a deterministic order (a
     resumed run replays it), across ranks; they pad far less than random ones."""

@@ -65,6 +65,10 @@ class DataSection:
 class TrainSection:
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs when set
+    # a wall-clock budget for the training loop (resumes add up): the run stops at the first step past
+    # it, and the cosine runs on the larger of step and time progress, so a lease of N minutes ends on
+    # a decayed lr whatever the hardware's speed; max_steps / epochs still cap it
+    max_minutes: float | None = None
     micro_batch_size: int = 4
     gradient_accumulation_steps: int = 1
     lr: float = 3e-4
@@ -141,6 +145,8 @@ class RunConfig:
             del data["train"]["mask_out_of_vocab"]
         if data["train"]["lr_schedule"] == "cosine":
             del data["train"]["lr_schedule"]
+        if data["train"]["max_minutes"] is None:
+            del data["train"]["max_minutes"]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -258,6 +264,10 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     if config.train.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(
             f"train.lr_schedule: {config.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
+        )
+    if config.train.max_minutes is not None and not config.train.max_minutes > 0:
+        raise ConfigError(
+            f"train.max_minutes: {config.train.max_minutes}; use a positive number of minutes or leave it out"
         )
     if any(n < 1 for n in config.schedule.snapshot_tokens):
         raise ConfigError(

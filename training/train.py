@@ -15,6 +15,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -179,18 +181,48 @@ def deepspeed_config(config: RunConfig, world: int, dtype: torch.dtype) -> dict:
     return ds
 
 
-def lr_lambda(warmup: int, total: int, schedule: str = "cosine"):
-    """LR multiplier by optimizer step: a linear warmup, then a cosine to 0.1 by `total` or flat."""
+def lr_lambda(
+    warmup: int, total: int, schedule: str = "cosine", time_fraction: Callable[[], float] = lambda: 0.0
+):
+    """LR multiplier by optimizer step: a linear warmup, then a cosine to 0.1 by `total` (or by the
+    end of the time budget, `time_fraction` in [0, 1], whichever comes first) or flat."""
 
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         if schedule == "constant":
             return 1.0
-        progress = (step - warmup) / max(1, total - warmup)
+        progress = max((step - warmup) / max(1, total - warmup), time_fraction())
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return f
+
+
+@dataclass
+class TimeBudget:
+    """train.max_minutes: training seconds so far (`before`: those of the runs resumed from) against
+    the budget. Rank 0's clock rules, broadcast once per step, so every rank takes the same lr and
+    stops at the same step."""
+
+    seconds: float | None
+    before: float = 0.0
+    elapsed: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+
+    def sync(self, device: torch.device, world: int) -> None:
+        now = self.before + time.perf_counter() - self.start
+        if self.seconds is not None and world > 1:  # a collective only where a budget is set
+            clock = torch.tensor([now], dtype=torch.float64, device=device)
+            dist.broadcast(clock, 0)
+            now = float(clock.item())
+        self.elapsed = now
+
+    def fraction(self) -> float:
+        return 0.0 if self.seconds is None else min(1.0, self.elapsed / self.seconds)
+
+    @property
+    def spent(self) -> bool:
+        return self.seconds is not None and self.elapsed >= self.seconds
 
 
 def grouping_lengths(config: RunConfig, train, examples) -> list[int] | None:
@@ -439,8 +471,9 @@ def main(argv=None) -> int:
         lr=config.train.lr,
         weight_decay=config.train.weight_decay,
     )
+    budget = TimeBudget(None if config.train.max_minutes is None else 60.0 * config.train.max_minutes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(config.train.warmup_steps, total, config.train.lr_schedule)
+        optimizer, lr_lambda(config.train.warmup_steps, total, config.train.lr_schedule, budget.fraction)
     )
     ds_config = deepspeed_config(config, world, dtype)
     engine, _, _, _ = deepspeed.initialize(
@@ -455,6 +488,7 @@ def main(argv=None) -> int:
         _, client = engine.load_checkpoint(str(output_dir / "checkpoints"), tag=tag)
         step = int(client["step"])
         tokens_before = int(client.get("tokens_fed", 0))  # 0: a checkpoint written before it was kept
+        budget.before = budget.elapsed = float(client.get("train_seconds", 0.0))
     log = RunLog(output_dir, rank == 0)
     log.write(
         {
@@ -473,8 +507,9 @@ def main(argv=None) -> int:
     tokens_seen = 0
     snapshots = sorted(set(config.schedule.snapshot_tokens))
     fed_last = tokens_before
-    t_start = time.perf_counter()
-    while step < total:
+    t_start = budget.start = time.perf_counter()
+    last = step >= total or budget.spent
+    while not last:
         metrics: dict[str, float] = {}
         for micro in range(accum):
             batch = with_features(
@@ -491,11 +526,13 @@ def main(argv=None) -> int:
             tokens_seen += int(batch["attention_mask"].sum())
             metrics = out.metrics
         step += 1
+        budget.sync(device, world)
+        last = step >= total or budget.spent
         accs, _ = simulated_tau(out.depths, TreeSpec.chain(len(out.depths)))
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{accs[0] if accs else 0:.2f}")
         bar.update(1)
-        log_now = step % config.schedule.log_every == 0 or step == total
-        save_now = step % config.schedule.save_every == 0 or step == total
+        log_now = step % config.schedule.log_every == 0 or last
+        save_now = step % config.schedule.save_every == 0 or last
         # a collective when world > 1: only on the steps that use the count (same on every rank)
         fed = fed_tokens(tokens_before, tokens_seen, device, world) if snapshots or log_now or save_now else fed_last
         if log_now:
@@ -521,17 +558,18 @@ def main(argv=None) -> int:
         fed_last = fed
         # evaluation and saving are collective (every rank, same order): under ZeRO-3 both gather the
         # heads' partitioned parameters from all ranks
-        if step % config.schedule.eval_every == 0 or step == total:
+        if step % config.schedule.eval_every == 0 or last:
             scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world)
             log.write({"step": step, **scores})
         if save_now:
             save_tag = f"step-{step:07d}"
 
             def save(save_tag: str = save_tag, step: int = step, fed: int = fed) -> None:
+                state = {"step": step, "fingerprint": config.fingerprint(), "tokens_fed": fed}
                 engine.save_checkpoint(
                     str(output_dir / "checkpoints"),
                     tag=save_tag,
-                    client_state={"step": step, "fingerprint": config.fingerprint(), "tokens_fed": fed},
+                    client_state={**state, "train_seconds": budget.elapsed},
                 )
                 ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage)
 
@@ -542,7 +580,8 @@ def main(argv=None) -> int:
                 log.write({"step": step, "event": "checkpoint"})
             dist.barrier()
     bar.close()
-    log.write({"step": step, "event": "done", "train_seconds": time.perf_counter() - t_start})
+    stop = {"stopped": "max_minutes"} if step < total else {}
+    log.write({"step": step, "event": "done", "train_seconds": time.perf_counter() - t_start, **stop})
     ckpt.write_rank_report(output_dir, rank, world, step, engine.module.heads, zero_stage)
     dist.barrier()
     return 0
