@@ -37,7 +37,7 @@ def test_folder_is_a_model_card_checkpoint():
         and header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     )
     assert header["license"] and header["datasets"]
-    for fact in ("selfdraft train --config", " steps, world size", "tau", "speedup"):
+    for fact in ("selfdraft train --config", " steps, world size", "tau", "speedup", "loads these heads by default"):
         assert fact in card
 
 

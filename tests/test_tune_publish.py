@@ -356,8 +356,9 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
 
 def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_dir):
     """A run continued from a published folder inherits its stages.json; a run stopped between
-    checkpoints counts up to its last checkpoint, with the tokens its steps fed (replayed from its
-    split), its wall time to its last logged row and its precision."""
+    checkpoints counts up to its last checkpoint, with the tokens its steps fed (as the run counted them
+    at that step, else replayed from its split), its wall time to its last logged row, its precision and
+    where it ran."""
     from selfdraft.training.dataset import rows_to_dataset
     from selfdraft.training.publish import STAGES_FILE, publish
 
@@ -373,8 +374,8 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
     save_heads(model.heads, run / "heads")
     (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2, "precision": "bfloat16"}))
     log = [
-        {"step": 0, "event": "start", "examples": 12, "time": 1000.0},
-        {"step": 4, "loss": 1.0, "tokens_per_s_rank": 50.0, "time": 1100.0},
+        {"step": 0, "event": "start", "examples": 12, "device": "cuda:0", "time": 1000.0},
+        {"step": 4, "loss": 1.0, "tokens_per_s_rank": 50.0, "tokens_fed": 111, "time": 1100.0},
         {
             "step": 4,
             "eval_loss": 1.0,
@@ -383,7 +384,8 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
             "time": 1110.0,
         },
         {"step": 4, "event": "checkpoint", "time": 1120.0},
-        {"step": 6, "loss": 0.9, "tokens_per_s_rank": 50.0, "time": 1180.0},  # stopped before step 8's save
+        # stopped before step 8's save: step 6's count is not what the published heads were fed
+        {"step": 6, "loss": 0.9, "tokens_per_s_rank": 50.0, "tokens_fed": 999, "time": 1180.0},
     ]
     (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
     rows = [{"id": str(i), "input_ids": [1] * 7, "loss_mask": [1] * 7} for i in range(12)]
@@ -397,13 +399,17 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
     for fact in (
         f"Stage 1 of 2: `selfdraft train --config {first} --nproc 2`: 5 steps, world size 2",
         f"Stage 2 of 2: `selfdraft train --config {second} --nproc 2`: 4 steps (stopped at a checkpoint; "
-        "10 planned), world size 2, 16 sequences (1.3 passes over its 12), 112 tokens, wall time 3.0 min",
-        "(2-core CPU, bfloat16)",
+        # the tokens the run counted at the published step (a replay of its split would say 112)
+        "10 planned), world size 2, 16 sequences (1.3 passes over its 12), 111 tokens, wall time 3.0 min",
+        "(2-core CPU, float32)",  # stage 1's log names no device: this project's CPU runs
+        "wall time 3.0 min over 1 session(s) (CUDA GPU, bfloat16)",
         "by depth: 0.600, 0.400",
         "Last stage's training split: 84 tokens in 12 sequences",
     ):
         assert fact in card, fact
     assert len(json.loads((dest / STAGES_FILE).read_text())) == 2
+    # a folder outside checkpoints/ is not what selfdraft loads by default, and its card says so
+    assert "not the shipped default" in card and "loads these heads by default" not in card
 
 
 def test_publish_puts_compared_studies_with_their_plots_in_the_card(tmp_path, tiny_target_dir):

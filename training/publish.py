@@ -21,6 +21,7 @@ from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
+from selfdraft.inference.model import CHECKPOINTS_DIR
 from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -85,6 +86,9 @@ def run_summary(run_dir: Path, sequences_per_step: int = 0) -> dict:
         "sessions": len(starts),
         "world_size": meta["world_size"],
         "precision": meta.get("precision", "float32"),  # runs before train.precision were float32
+        "device": log[starts[0]].get("device", "cpu") if starts else "cpu",
+        # counted by the run itself at the published step (logs since tokens_fed was kept); else replayed
+        "tokens_fed": next((r["tokens_fed"] for r in log if "tokens_fed" in r and r["step"] == steps), None),
         "examples": examples,
         "last_eval": evals[-1] if evals else None,
         "throughput_tokens_per_s_per_rank": next(
@@ -123,6 +127,8 @@ def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str 
         train.length_grouping,
     )
     summary["tokens_trained"], summary["split_tokens"] = replayed or (None, None)
+    if summary["tokens_fed"] is not None:
+        summary["tokens_trained"] = summary["tokens_fed"]
     return Stage(
         config_path=str(config_path),
         config_text=Path(config_path).read_text(),
@@ -151,6 +157,12 @@ def _sources_line(stage: Stage) -> str:
     return "sources " + ", ".join(f"`{s}`" for s in sources) if sources else "the run's sources"
 
 
+def _hardware(summary: dict) -> str:
+    """Where a stage trained, from its log's start event (this project's CPU runs: 2 cores)."""
+    device = summary.get("device", "cpu")
+    return "CUDA GPU" if device.startswith("cuda") else "2-core CPU"
+
+
 def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     last = stages[-1].summary
     tokens = tokens if tokens is not None else last.get("split_tokens")
@@ -175,7 +187,7 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
             f"- {name}: `{stage.command}`: {s['steps']} steps{partial}, world size {s['world_size']}, "
             f"{s['sequences_seen']} sequences ({s['epochs']:.1f} passes over its {s['examples']}){fed}, "
             f"wall time {s['train_seconds'] / 60:.1f} min over {s['sessions']} session(s) "
-            f"(2-core CPU, {s.get('precision', 'float32')})."
+            f"({_hardware(s)}, {s.get('precision', 'float32')})."
         )
     if len(stages) > 1:
         lines.append(
@@ -265,8 +277,10 @@ def model_card(
     benches: Sequence[tuple[dict, str]],
     repo_path: str,
     studies: Sequence[tuple[str, str, Sequence[str]]] = (),
+    shipped: bool = True,
 ) -> str:
-    """studies: (name, its compare.md text, its plots' paths relative to the card) per study."""
+    """studies: (name, its compare.md text, its plots' paths relative to the card) per study.
+    shipped: the folder is the one selfdraft loads by default for this target."""
     base = BASE_MODELS.get(target, target)
     lines = [
         "---",
@@ -290,7 +304,9 @@ def model_card(
         "```python",
         "from selfdraft.inference import SelfDraftModel",
         f'm = SelfDraftModel.from_pretrained("{target}", heads="{repo_path}")',
-        f'# shipped with selfdraft: SelfDraftModel.from_pretrained("{target}") loads these heads by default',
+        f'# shipped with selfdraft: SelfDraftModel.from_pretrained("{target}") loads these heads by default'
+        if shipped
+        else "# not the shipped default: kept for a later stage to continue from (heads.init_from)",
         'out = m.generate(m.chat_ids("Hello!"), max_new_tokens=64)',
         "```",
         "",
@@ -385,6 +401,7 @@ def publish(
             benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
             repo_path=repo_path or str(dest),
             studies=copied,
+            shipped=dest.resolve() == (CHECKPOINTS_DIR / f"{target.lower()}-{heads.config.head_kind}").resolve(),
         )
     )
     if dest.exists():
