@@ -31,6 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a bench.json measured for these heads and the command that wrote it; repeatable",
     )
     parser.add_argument(
+        "--selection-bench",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("JSON", "COMMAND"),
+        help="a bench.json whose prompts chose these heads or their tree, and its command: the card "
+        "gives its tau and identity but no speedup; repeatable",
+    )
+    parser.add_argument(
         "--study",
         action="append",
         default=[],
@@ -61,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         config_path=args.config,
         benches=[tuple(pair) for pair in args.bench],
+        selection_benches=[tuple(pair) for pair in args.selection_bench],
         tree_file=args.tree,
         dtype=getattr(torch, args.dtype),
         tokens=tokens,

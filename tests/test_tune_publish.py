@@ -321,6 +321,50 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         assert fact in card, fact
 
 
+def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_target_dir):
+    """--selection-bench: the prompts that chose the heads (or their tree) give tau and identity in the
+    card, numbered ahead of the report benches, and none of their tok/s or speedups."""
+    from selfdraft.training.publish import SELECTION_NOTE, publish
+
+    torch.manual_seed(0)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
+    _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
+    config = tmp_path / "run.yaml"
+    config.write_text("target: x\n")
+
+    def bench(name: str, tau: float, tok_s: float, speedup: float, dtype: str) -> Path:
+        row = {"prompts": "sharegpt:4", "temperature": 0.0, "identical_to_baseline": True}
+        summary = [
+            {**row, "method": "baseline", "tokens_per_s": 10.0, "speedup": 1.0},
+            {**row, "method": "selfdraft:shipped", "tau": tau, "tokens_per_s": tok_s, "speedup": speedup},
+        ]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"dtypes": {"target": dtype}, "summary": summary}))
+        return path
+
+    chose = bench("select", 3.02, 99.9, 9.99, "float32")
+    report = bench("report", 3.56, 86.8, 2.15, "bfloat16")
+    dest = publish(
+        tmp_path / "run",
+        tmp_path / "card",
+        target="smollm2-135m-instruct",
+        config_path=config,
+        benches=[(report, "selfdraft bench --dtype bfloat16")],
+        selection_benches=[(chose, "selfdraft bench --dtype float32")],
+    )
+    card = (dest / "README.md").read_text()
+    for fact in (
+        "### 1. Target in float32 (selection prompts)\n\nCommand: `selfdraft bench --dtype float32`",
+        "| sharegpt:4 | selfdraft:shipped | 0 | 3.02 | yes |",
+        SELECTION_NOTE,
+        "### 2. Target in bfloat16\n",
+        "| sharegpt:4 | selfdraft:shipped | 0 | 3.56 | 86.8 | 2.15x | yes |",
+        "speedup on this machine across prompt sets: `selfdraft:shipped` 2.15x-2.15x.",
+    ):
+        assert fact in card, fact
+    assert "9.99" not in card and "99.9" not in card
+
+
 def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     """A run continued from an earlier run's heads: the card sums both stages and keeps both configs."""
     from selfdraft.training.publish import publish

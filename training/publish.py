@@ -208,32 +208,49 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     return lines
 
 
-def _bench_lines(bench: dict, command: str, number: int) -> list[str]:
+SELECTION_NOTE = (
+    "These prompts chose the heads (or their tree), so the card quotes only their tau and greedy "
+    "identity: a speedup measured on the prompts that chose is not evidence of one elsewhere."
+)
+
+
+def _bench_lines(bench: dict, command: str, number: int, selection: bool = False) -> list[str]:
     """One benchmark report as card lines: a numbered heading (several can share a dtype), command,
-    dtypes, the table, trees, verify cost, verdict."""
+    dtypes, the table, trees, verify cost, verdict. selection: the prompts chose the heads or tree,
+    so tok/s, speedups and the verdict are left out."""
     rows = list(bench.get("summary", []))
     dtypes = bench.get("dtypes", {})
     temperatures = ", ".join(f"{t:g}" for t in bench.get("config", {}).get("temperatures", []))
     heading = f"### {number}. " + (f"Target in {dtypes['target']}" if "target" in dtypes else "Benchmark")
-    lines = ["", heading + (f", T = {temperatures}" if temperatures else "")]
+    heading += f", T = {temperatures}" if temperatures else ""
+    lines = ["", heading + (" (selection prompts)" if selection else "")]
     lines += ["", f"Command: `{command}`" if command else "Benchmark:"]
     lines += dtypes_lines(bench)
-    lines += [
-        "",
-        "| prompts | method | T | tau | tok/s | speedup vs target generate | identical (T=0) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
-        lines.append(
-            f"| {r['prompts']} | {r['method']} | {r['temperature']:g} | {tau} | "
-            f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {identical_cell(r)} |"
-        )
-    lines += [
-        "",
-        "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
-        "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
-    ]
+    if selection:
+        rows = [r for r in rows if r.get("tau") is not None]
+        lines += ["", "| prompts | method | T | tau | identical (T=0) |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {r['prompts']} | {r['method']} | {r['temperature']:g} | {r['tau']:.2f} | {identical_cell(r)} |"
+            for r in rows
+        ]
+        lines += ["", "tau counts the bonus/correction token (tokens per target forward). " + SELECTION_NOTE]
+    else:
+        lines += [
+            "",
+            "| prompts | method | T | tau | tok/s | speedup vs target generate | identical (T=0) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
+            lines.append(
+                f"| {r['prompts']} | {r['method']} | {r['temperature']:g} | {tau} | "
+                f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {identical_cell(r)} |"
+            )
+        lines += [
+            "",
+            "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
+            "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
+        ]
     if any(r.get("near_tie_prompts") for r in rows):
         lines += ["", NEAR_TIE_NOTE]
     lines += trees_lines(bench)
@@ -246,7 +263,7 @@ def _bench_lines(bench: dict, command: str, number: int) -> list[str]:
             + ", ".join(f"{b}: {t / one:.2f}x" for b, t in curve.items())
             + ".",
         ]
-    verdict = _verdict(rows)
+    verdict = "" if selection else _verdict(rows)
     return lines + (["", verdict] if verdict else [])
 
 
@@ -276,6 +293,7 @@ def model_card(
     tokens: int | None,
     benches: Sequence[tuple[dict, str]],
     repo_path: str,
+    selection_benches: Sequence[tuple[dict, str]] = (),
     studies: Sequence[tuple[str, str, Sequence[str]]] = (),
     shipped: bool = True,
 ) -> str:
@@ -316,9 +334,10 @@ def model_card(
     ]
     lines += _training_lines(stages, tokens)
     lines += ["", "## Measured"]
-    for number, (bench, command) in enumerate(benches, 1):
-        lines += _bench_lines(bench, command, number)
-    if not benches:
+    numbered = [(b, c, True) for b, c in selection_benches] + [(b, c, False) for b, c in benches]
+    for number, (bench, command, chose) in enumerate(numbered, 1):
+        lines += _bench_lines(bench, command, number, selection=chose)
+    if not numbered:
         lines += ["", "No benchmark was recorded for this checkpoint."]
     if studies:
         lines += ["", "## Studies", "", "Training runs compared by `selfdraft compare` (ablations, data size)."]
@@ -360,6 +379,7 @@ def publish(
     target: str,
     config_path: str | Path,
     benches: Sequence[tuple[str | Path, str]] = (),
+    selection_benches: Sequence[tuple[str | Path, str]] = (),
     tree_file: str | Path | None = None,
     dtype: torch.dtype = torch.float16,
     train_command: str = "",
@@ -374,6 +394,8 @@ def publish(
     first, after those recorded in the init_from folder's stages.json; the card states every stage
     and the folder keeps each stage's config and its stages.json.
     benches: (bench.json, the command that wrote it) for each benchmark the card reports.
+    selection_benches: the same for benchmarks whose prompts chose these heads or their tree; the card
+    gives their tau and identity, never their speedups, ahead of the report benches.
     studies: `selfdraft compare --out` folders; their tables and plots go into the card.
     """
     run_dir, dest = Path(run_dir), Path(dest)
@@ -399,6 +421,7 @@ def publish(
             stages=stages,
             tokens=tokens,
             benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
+            selection_benches=[(json.loads(Path(p).read_text()), command) for p, command in selection_benches],
             repo_path=repo_path or str(dest),
             studies=copied,
             shipped=dest.resolve() == (CHECKPOINTS_DIR / f"{target.lower()}-{heads.config.head_kind}").resolve(),
