@@ -59,6 +59,22 @@ class TreeScore:
     other_s: float = 0.0  # per step: acceptance, compaction, observing the accepted path, bookkeeping
 
 
+# Expected tokens/s (tau over the modelled step cost) ranks the trees; candidates within this fraction
+# of the best expected are a tie that the model cannot separate, and the measured tokens/s decides.
+EXPECTED_TIE = 0.02
+
+
+def rank_scores(scores: list[TreeScore], tie: float = EXPECTED_TIE) -> list[TreeScore]:
+    """Best first: of the trees whose expected tokens/s is within `tie` of the best, the one measured
+    fastest; the rest follow by expected tokens/s."""
+    ranked = sorted(scores, key=lambda s: -s.expected_tokens_per_s)
+    if not ranked:
+        return ranked
+    floor = (1.0 - tie) * ranked[0].expected_tokens_per_s
+    best = max((s for s in ranked if s.expected_tokens_per_s >= floor), key=lambda s: s.measured_tokens_per_s)
+    return [best] + [s for s in ranked if s is not best]
+
+
 def interpolate(curve: dict[int, float], size: float) -> float:
     """Verify seconds for `size` tokens, log-linear between measured block sizes."""
     sizes = sorted(curve)
@@ -99,7 +115,7 @@ def score_trees(
     seed: int = 0,
 ) -> list[TreeScore]:
     """Every candidate on every prompt (interleaved per prompt), at `temperature` (prompt i with seed
-    seed + i, the same for every candidate); best expected tokens/s first."""
+    seed + i, the same for every candidate); best first (`rank_scores`)."""
     shapes = _drafted_shapes(model, candidates)
     curve = curve or verify_cost_curve(model.target, [1, 2, 4, 8, 16, 32, 64])
     runs: dict[str, list] = {c: [] for c in shapes}
@@ -122,7 +138,7 @@ def score_trees(
         verify = interpolate(curve, size)
         measured = statistics.median(len(o.tokens) / o.stats.total_time for o in outs)
         scores.append(TreeScore(c, tau, size, draft, verify, tau / (draft + verify + other), measured, other))
-    return sorted(scores, key=lambda s: -s.expected_tokens_per_s)
+    return rank_scores(scores)
 
 
 def score_trees_batched(

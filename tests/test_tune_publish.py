@@ -7,7 +7,14 @@ import pytest
 import torch
 import yaml
 
-from selfdraft.bench.tune import interpolate, score_trees, score_trees_batched, tree_description
+from selfdraft.bench.tune import (
+    TreeScore,
+    interpolate,
+    rank_scores,
+    score_trees,
+    score_trees_batched,
+    tree_description,
+)
 from selfdraft.heads import HeadsConfig, build_heads, save_heads
 from selfdraft.inference import SelfDraftModel, batch
 from selfdraft.inference.model import TREE_FILE
@@ -28,9 +35,7 @@ def test_tune_scores_and_saved_tree_is_used(tmp_path, tiny_target_dir):
     prompts = [model.chat_ids("Say hello."), model.chat_ids("Count to five.")]
     candidates = ["chain-1", "chain-3", "dynamic:depth=2,top_k=2,total_tokens=3"]
     scores = score_trees(model, prompts, candidates, max_new_tokens=8, curve={1: 0.01, 2: 0.011, 4: 0.012})
-    assert [s.expected_tokens_per_s for s in scores] == sorted(
-        (s.expected_tokens_per_s for s in scores), reverse=True
-    )
+    assert scores == rank_scores(scores)
     assert {s.tree for s in scores} == set(candidates)
     assert all(s.tau >= 1.0 and s.measured_tokens_per_s > 0 for s in scores)
     # a step costs more than drafting and verifying: acceptance, compaction, bookkeeping count too
@@ -43,6 +48,19 @@ def test_tune_scores_and_saved_tree_is_used(tmp_path, tiny_target_dir):
     write_tree_file(heads_dir / TREE_FILE, resolve_tree(scores[0].tree), tree_description(scores[0]))
     loaded = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=heads_dir)
     assert loaded.tree == resolve_tree(scores[0].tree)
+
+
+def test_expected_ties_are_decided_by_measured_speed():
+    """Trees within 2% of the best expected tokens/s are a tie for the cost model: the one measured
+    fastest goes first; a tree measured fast but expected well below the best does not."""
+
+    def score(tree: str, expected: float, measured: float) -> TreeScore:
+        return TreeScore(tree, 3.0, 10.0, 0.005, 0.03, expected, measured)
+
+    a, b, c, d = score("a", 104.8, 83.4), score("b", 103.4, 94.8), score("c", 101.0, 99.0), score("d", 90.0, 80.0)
+    assert [s.tree for s in rank_scores([d, c, a, b])] == ["b", "a", "c", "d"]
+    assert [s.tree for s in rank_scores([a, b], tie=0.0)] == ["a", "b"]  # no tie band: expected alone
+    assert rank_scores([]) == []
 
 
 def test_tree_file_holds_one_tree_per_dtype(tmp_path, caplog):

@@ -565,11 +565,15 @@ def main(argv=None) -> int:
             save_tag = f"step-{step:07d}"
 
             def save(save_tag: str = save_tag, step: int = step, fed: int = fed) -> None:
-                state = {"step": step, "fingerprint": config.fingerprint(), "tokens_fed": fed}
                 engine.save_checkpoint(
                     str(output_dir / "checkpoints"),
                     tag=save_tag,
-                    client_state={**state, "train_seconds": budget.elapsed},
+                    client_state={
+                        "step": step,
+                        "fingerprint": config.fingerprint(),
+                        "tokens_fed": fed,
+                        "train_seconds": budget.elapsed,  # train.max_minutes counts resumed runs' too
+                    },
                 )
                 ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage)
 
