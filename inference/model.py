@@ -73,10 +73,15 @@ def warn_unapplied_generation_config(target) -> None:
         )
 
 
+def shipped_heads_path(target_name: str, head_kind: str) -> Path:
+    """Where selfdraft keeps (or would keep) the default heads of this kind for a target."""
+    return CHECKPOINTS_DIR / f"{target_name.lower()}-{head_kind}"
+
+
 def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | None:
     kinds = [head_kind] if head_kind else ["eagle", "medusa"]
     for kind in kinds:
-        path = CHECKPOINTS_DIR / f"{target_name.lower()}-{kind}"
+        path = shipped_heads_path(target_name, kind)
         if (path / "config.json").is_file():
             return path
     return None

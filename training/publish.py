@@ -21,7 +21,7 @@ from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
-from selfdraft.inference.model import CHECKPOINTS_DIR
+from selfdraft.inference.model import shipped_heads_path
 from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -208,6 +208,7 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
     return lines
 
 
+TAU_NOTE = "tau counts the bonus/correction token (tokens per target forward)."
 SELECTION_NOTE = (
     "These prompts chose the heads (or their tree), so the card quotes only their tau and greedy "
     "identity: a speedup measured on the prompts that chose is not evidence of one elsewhere."
@@ -233,7 +234,7 @@ def _bench_lines(bench: dict, command: str, number: int, selection: bool = False
             f"| {r['prompts']} | {r['method']} | {r['temperature']:g} | {r['tau']:.2f} | {identical_cell(r)} |"
             for r in rows
         ]
-        lines += ["", "tau counts the bonus/correction token (tokens per target forward). " + SELECTION_NOTE]
+        lines += ["", f"{TAU_NOTE} {SELECTION_NOTE}"]
     else:
         lines += [
             "",
@@ -248,8 +249,8 @@ def _bench_lines(bench: dict, command: str, number: int, selection: bool = False
             )
         lines += [
             "",
-            "tau counts the bonus/correction token (tokens per target forward). Speedups are ratios "
-            "measured in the same run with methods interleaved per prompt, on a shared 2-core CPU.",
+            f"{TAU_NOTE} Speedups are ratios measured in the same run with methods interleaved per "
+            "prompt, on a shared 2-core CPU.",
         ]
     if any(r.get("near_tie_prompts") for r in rows):
         lines += ["", NEAR_TIE_NOTE]
@@ -424,7 +425,7 @@ def publish(
             selection_benches=[(json.loads(Path(p).read_text()), command) for p, command in selection_benches],
             repo_path=repo_path or str(dest),
             studies=copied,
-            shipped=dest.resolve() == (CHECKPOINTS_DIR / f"{target.lower()}-{heads.config.head_kind}").resolve(),
+            shipped=dest.resolve() == shipped_heads_path(target, heads.config.head_kind).resolve(),
         )
     )
     if dest.exists():
