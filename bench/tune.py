@@ -44,6 +44,8 @@ CANDIDATES = [
     "small+lookup=8",
     "dynamic:depth=3,top_k=3,total_tokens=6+lookup=5",
     "dynamic:depth=4,top_k=4,total_tokens=10+lookup=5",
+    "dynamic:depth=3,top_k=3,total_tokens=6+lookup=5,extend=3",
+    "dynamic:depth=4,top_k=4,total_tokens=10+lookup=5,extend=5",
 ]
 
 

@@ -1,5 +1,5 @@
 """Tree shapes written as text: names and strings (`small`, `chain-4`, `dynamic:depth=5,...`,
-`NAME+lookup=K`), rank-path lists, and `tree.yaml` files.
+`NAME+lookup=K[,extend=E]`), rank-path lists, and `tree.yaml` files.
 
 A tree file holds one tree, or one tree per target dtype (`bfloat16:` / `float32:` / `float16:`
 entries, each a one-tree block): the best tree depends on what verification costs, and a bf16 pass
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from selfdraft.tree import NAMED_TREES, DynamicTree, LookupTree, PromptLookup, T
 
 TreeLike = TreeShape | str | Sequence[Sequence[int]]
 DYNAMIC_KEYS = {"depth", "top_k", "total_tokens"}
-LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram"}
+LOOKUP_KEYS = {"tokens", "max_ngram", "min_ngram", "extend"}
 LOOKUP_SUFFIX = "+lookup"
 FILE_KEYS = {"paths", "dynamic", "lookup", "description", "measured", "sampling", "batch"}
 DTYPE_KEYS = ("bfloat16", "float32", "float16")  # a per-dtype tree file's entries
@@ -43,6 +44,18 @@ MACHINE_SEP = "@"  # `bfloat16@cpu-amx`: the bfloat16 entry for one kind of mach
 SUBTREE_KEYS = ("sampling", "batch")
 
 logger = logging.getLogger(__name__)
+
+
+def _parse_lookup(rest: str, tree: str) -> PromptLookup:
+    """What follows `+lookup`: nothing, `=K` or `=K,extend=E`."""
+    if not rest:
+        return PromptLookup()
+    found = re.fullmatch(r"=(\d+)(?:,extend=(\d+))?", rest)
+    if found is None:
+        raise UserError(
+            f"bad lookup option {rest!r} in {tree!r}; use NAME+lookup, NAME+lookup=K or NAME+lookup=K,extend=E"
+        )
+    return PromptLookup(tokens=int(found[1]), extend=int(found[2] or 0))
 
 
 def _parse_dynamic(text: str) -> DynamicTree:
@@ -110,7 +123,7 @@ def read_tree_file(
     path: Path, dtype: str | None = None, sampling: bool = False, machine: str | None = None
 ) -> TreeShape:
     """YAML with `paths:` (list of rank lists) or `dynamic: {depth, top_k, total_tokens}`, an optional
-    `lookup: {tokens, max_ngram, min_ngram}` branch, optional `sampling:` (T > 0) and `batch:` trees,
+    `lookup: {tokens, max_ngram, min_ngram, extend}` branch, optional `sampling:` (T > 0) and `batch:` trees,
     and an optional `description:` / `measured:` block; anything else is rejected. Or such blocks
     under dtype keys (see the module docstring): `dtype` ("bfloat16", "float32", ...) picks one;
     without an entry for it (or without `dtype`) the first entry serves, with a warning, since any
@@ -176,7 +189,10 @@ def _tree_block(where: str, data) -> TreeShape:
 
 def _shape_fields(tree: TreeShape) -> dict:
     if isinstance(tree, LookupTree):
-        return {**_shape_fields(tree.base), "lookup": dataclasses.asdict(tree.lookup)}
+        lookup = dataclasses.asdict(tree.lookup)
+        if not lookup["extend"]:  # files written before extensions existed read the same
+            del lookup["extend"]
+        return {**_shape_fields(tree.base), "lookup": lookup}
     if isinstance(tree, DynamicTree):
         return {"dynamic": dataclasses.asdict(tree)}
     return {"paths": [list(p) for p in tree.paths[1:]]}
@@ -236,19 +252,18 @@ def resolve_tree(
     """A TreeSpec, DynamicTree or LookupTree, a shipped tree name, `chain-N`, `dynamic[:k=v,...]`, a
     tree YAML file (its `dtype` entry if it has one per dtype; with `sampling` its tree for T > 0 if
     it has one; its `dtype@machine` entry on that kind of machine), or a list of rank paths; a name
-    may end in `+lookup[=K]` to graft a prompt-lookup branch of up to K tokens on every drafted tree."""
+    may end in `+lookup[=K]` to graft a prompt-lookup branch of up to K tokens on every drafted tree,
+    and `+lookup=K,extend=E` also to continue the heads' first-choice path by up to E looked-up tokens."""
     if isinstance(tree, TreeSpec | DynamicTree | LookupTree):
         return tree
     if not isinstance(tree, str):
         return TreeSpec.from_paths(tree)
     if LOOKUP_SUFFIX in tree:
         name, _, rest = tree.partition(LOOKUP_SUFFIX)
-        if rest and not (rest.startswith("=") and rest[1:].isdigit()):
-            raise UserError(f"bad lookup option {rest!r} in {tree!r}; use NAME+lookup or NAME+lookup=K")
         base = resolve_tree(name)
         if isinstance(base, LookupTree):
             raise UserError(f"{tree!r} asks for two lookup branches")
-        return LookupTree(base, PromptLookup(tokens=int(rest[1:])) if rest else PromptLookup())
+        return LookupTree(base, _parse_lookup(rest, tree))
     if tree == "dynamic" or tree.startswith("dynamic:"):
         return _parse_dynamic(tree)
     if tree in NAMED_TREES:

@@ -6,7 +6,14 @@ import torch
 
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import SamplingParams
-from selfdraft.tree import LookupTree, PromptLookup, TreeSpec, graft_chain, lookup_continuation
+from selfdraft.tree import (
+    LookupTree,
+    PromptLookup,
+    TreeSpec,
+    first_choice_path,
+    graft_chain,
+    lookup_continuation,
+)
 from selfdraft.tree_syntax import read_tree_file, resolve_tree, write_tree_file
 
 from stats import chi_square, exact_two_token_law
@@ -43,6 +50,50 @@ def test_graft_follows_matching_children_and_branches_at_the_first_mismatch():
     assert values.tolist() == [10, 11, 12, 20, 21]
 
 
+class ChainDrafter:
+    """Proposes `tokens[d]` as the only child at depth d (a known, fixed first-choice path)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def begin(self, root_token, max_depth):
+        pass
+
+    def children(self, grown, nodes, depth, k):
+        return torch.tensor([[self.tokens[depth]]] * len(nodes)), torch.zeros(len(nodes), 1)
+
+    def feed(self, grown, nodes, depth):
+        pass
+
+    def end(self):
+        pass
+
+
+def test_extension_continues_the_heads_first_choice_path():
+    # the root 9 is new, so the branch from the root finds nothing; the heads' path 6, 7 occurred at
+    # the start of the context, so the extension grafts what followed it there below the path's end
+    context = [6, 7, 40, 41, 42, 9]
+    plain = LookupTree(TreeSpec.chain(2), PromptLookup(tokens=5))
+    spec, tokens = plain.draft(ChainDrafter([6, 7]), 9, context)
+    assert spec == TreeSpec.chain(2) and tokens.tolist() == [9, 6, 7]
+    extended = LookupTree(TreeSpec.chain(2), PromptLookup(tokens=5, extend=2))
+    spec, tokens = extended.draft(ChainDrafter([6, 7]), 9, context)
+    assert spec.parents == (-1, 0, 1, 2, 3) and tokens.tolist() == [9, 6, 7, 40, 41]
+    assert extended.max_depth == 5 and extended.max_tokens == 3 + 5 + 2  # the root branch is deepest
+    # a path the context never held is not extended, nor one whose last token alone occurred (7):
+    # the key must hold at least two tokens
+    for path in ([8, 3], [8, 7]):
+        spec, tokens = extended.draft(ChainDrafter(path), 9, context)
+        assert tokens.tolist() == [9, *path]
+
+
+def test_first_choice_path_follows_the_best_kept_rank():
+    # the root's rank-0 child was not kept (a dynamic tree dropped it): rank 1 is the first choice
+    spec = TreeSpec.from_parents([-1, 0, 0, 1, 2, 2], [0, 2, 1, 0, 3, 1])
+    assert first_choice_path(spec) == [2, 5]
+    assert first_choice_path(TreeSpec.chain(0)) == []
+
+
 def test_tree_syntax_and_tree_file(tmp_path):
     tree = resolve_tree("chain-3+lookup=4")
     assert tree == LookupTree(TreeSpec.chain(3), PromptLookup(tokens=4))
@@ -52,12 +103,17 @@ def test_tree_syntax_and_tree_file(tmp_path):
     assert resolve_tree("dynamic:depth=4,top_k=4,total_tokens=10+lookup=5").max_tokens == 11 + 5
     assert resolve_tree("small").max_tokens == resolve_tree("small").size
     assert resolve_tree("dynamic:depth=4,top_k=2,total_tokens=8+lookup").lookup == PromptLookup()
-    for bad in ("chain-3+lookup=x", "chain-3+lookup+lookup", "nope+lookup"):
+    extended = resolve_tree("chain-3+lookup=4,extend=2")
+    assert extended.lookup == PromptLookup(tokens=4, extend=2) and extended.max_depth == 5
+    for bad in ("chain-3+lookup=x", "chain-3+lookup+lookup", "nope+lookup", "chain-3+lookup=4,extend=y"):
         with pytest.raises(ValueError):
             resolve_tree(bad)
     path = tmp_path / "tree.yaml"
     write_tree_file(path, tree, description="test")
     assert read_tree_file(path) == tree
+    assert "extend" not in path.read_text()  # a file without an extension reads as before extensions
+    write_tree_file(path, extended, description="test")
+    assert read_tree_file(path) == extended
     path.write_text("paths: [[0]]\nlookup: {tokens: 3, window: 2}\n")
     with pytest.raises(ValueError, match="lookup"):
         read_tree_file(path)
@@ -67,7 +123,10 @@ def _repetitive_prompt() -> torch.Tensor:
     return torch.tensor([[7, 21, 33, 8, 7, 21, 33, 8, 7, 21]])
 
 
-@pytest.mark.parametrize("kind,tree", [("eagle", "chain-2+lookup=5"), ("medusa", "small+lookup=4")])
+@pytest.mark.parametrize(
+    "kind,tree",
+    [("eagle", "chain-2+lookup=5"), ("eagle", "chain-2+lookup=5,extend=3"), ("medusa", "small+lookup=4")],
+)
 def test_greedy_identity_with_lookup(kind, tree):
     target = tiny_target("llama")
     model = SelfDraftModel(target, None, random_heads(target, kind, 3), tree=tree)
@@ -100,21 +159,29 @@ def test_lookup_accepts_long_blocks_when_the_real_target_repeats(smollm):
 
 
 @pytest.mark.slow  # 1,500 generate calls
-def test_two_token_law_with_lookup_branch():
-    """1,500 sampled `generate` calls with a lookup branch vs the exact law of the first two tokens."""
+@pytest.mark.parametrize("extend", [0, 2])
+def test_two_token_law_with_lookup_branch(extend):
+    """1,500 sampled `generate` calls with a lookup branch vs the exact law of the first two tokens;
+    with `extend`, the looked-up continuation of the heads' first child joins many of the trees."""
     target = tiny_target("llama")
     V = target.config.vocab_size
     # every token occurs once in the prompt, so whatever the first token is, the lookup finds it
     prompt = torch.randperm(V, generator=torch.Generator().manual_seed(0))[None]
     params = SamplingParams(temperature=1.0)
-    model = SelfDraftModel(target, None, random_heads(target, "eagle", 0), tree="chain-1+lookup=3")
+    tree = f"chain-1+lookup=3,extend={extend}"
+    model = SelfDraftModel(target, None, random_heads(target, "eagle", 0), tree=tree)
     counts = torch.zeros(V, V)
-    grafted = 0
+    grafted = extended = 0
     torch.manual_seed(4321)
     for _ in range(1500):
         out = model.generate(prompt, 2, temperature=1.0, stop_token_ids=[])
         counts[out.tokens[0], out.tokens[1]] += 1
         grafted += int(out.stats.tree_tokens > 2 * out.stats.tree_passes)  # chain-1 alone verifies 2
+        # chain-1 + a 3-token branch verifies at most 5; only an extension adds more
+        extended += int(out.stats.tree_tokens > 5 * out.stats.tree_passes)
     stat, critical = chi_square(counts, exact_two_token_law(target, prompt, params))
     assert stat <= critical, f"chi2 {stat:.1f} > {critical:.1f}"
     assert grafted > 1000  # the lookup branch was in the verified tree, not only the heads' chain
+    # the extension needs the 2-gram (first token, heads' child) in the prompt: 387 of the 1,500 trees
+    # held one with this seed; without it no tree can exceed 5 tokens
+    assert extended > 300 if extend else extended == 0
