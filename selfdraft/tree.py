@@ -438,9 +438,9 @@ class PromptLookup:
             )
 
 
-# The extension's key ends in drafted tokens; one of them alone matches too often to predict (measured
-# on held-out ShareGPT, fp32, 4/4/10 + lookup 5: 2-grams and longer gained as much tau with half the
-# added tokens), so it needs at least this many.
+# The extension's key ends in drafted tokens; one of them alone matches too often to predict: on 20
+# held-out ShareGPT prompts (fp32, 4/4/10 + lookup 5, extend 3) 1-gram keys added 1.9 tokens a pass for
+# +0.20 tau, 2-grams and longer 0.9 tokens for +0.18.
 EXTEND_MIN_NGRAM = 2
 
 
