@@ -16,6 +16,7 @@ from selfdraft.tree import (
 )
 from selfdraft.tree_syntax import read_tree_file, resolve_tree, write_tree_file
 
+from oracle import OracleDrafter
 from stats import chi_square, exact_two_token_law
 from tiny_models import greedy_reference, random_heads, tiny_target
 
@@ -50,23 +51,9 @@ def test_graft_follows_matching_children_and_branches_at_the_first_mismatch():
     assert values.tolist() == [10, 11, 12, 20, 21]
 
 
-class ChainDrafter:
-    """Proposes `tokens[d]` as the only child at depth d (a known, fixed first-choice path)."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def begin(self, root_token, max_depth):
-        pass
-
-    def children(self, grown, nodes, depth, k):
-        return torch.tensor([[self.tokens[depth]]] * len(nodes)), torch.zeros(len(nodes), 1)
-
-    def feed(self, grown, nodes, depth):
-        pass
-
-    def end(self):
-        pass
+def heads_proposing(path: list[int]) -> OracleDrafter:
+    """A drafter whose first choice below the root 9 is `path` (one child per node on a chain)."""
+    return OracleDrafter([9, *path], vocab_size=50)
 
 
 def test_extension_continues_the_heads_first_choice_path():
@@ -74,16 +61,16 @@ def test_extension_continues_the_heads_first_choice_path():
     # the start of the context, so the extension grafts what followed it there below the path's end
     context = [6, 7, 40, 41, 42, 9]
     plain = LookupTree(TreeSpec.chain(2), PromptLookup(tokens=5))
-    spec, tokens = plain.draft(ChainDrafter([6, 7]), 9, context)
+    spec, tokens = plain.draft(heads_proposing([6, 7]), 9, context)
     assert spec == TreeSpec.chain(2) and tokens.tolist() == [9, 6, 7]
     extended = LookupTree(TreeSpec.chain(2), PromptLookup(tokens=5, extend=2))
-    spec, tokens = extended.draft(ChainDrafter([6, 7]), 9, context)
+    spec, tokens = extended.draft(heads_proposing([6, 7]), 9, context)
     assert spec.parents == (-1, 0, 1, 2, 3) and tokens.tolist() == [9, 6, 7, 40, 41]
     assert extended.max_depth == 5 and extended.max_tokens == 3 + 5 + 2  # the root branch is deepest
     # a path the context never held is not extended, nor one whose last token alone occurred (7):
     # the key must hold at least two tokens
     for path in ([8, 3], [8, 7]):
-        spec, tokens = extended.draft(ChainDrafter(path), 9, context)
+        spec, tokens = extended.draft(heads_proposing(path), 9, context)
         assert tokens.tolist() == [9, *path]
 
 
