@@ -1,6 +1,7 @@
 """Draft dtype choice, ulps, the near-tie diagnostic, and exactness with bf16 heads on a float32 target."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -138,6 +139,27 @@ def test_near_tie_threshold_is_the_measured_spread():
     assert Divergence(3, 1, 2, gap=0.1, gap_ulps=5.9, spread=0.125).near_tie
     assert not Divergence(3, 1, 2, gap=0.1, gap_ulps=5.9, spread=0.05).near_tie
     assert Divergence(3, 1, 2, gap=0.01, gap_ulps=1.5).near_tie
+
+
+def test_spread_blocks_cover_every_shipped_tree_size():
+    """The near-tie spread samples block sizes no more than 4 apart up to the largest block a shipped
+    tree verifies: the target's own gap does not move monotonically with the block size."""
+    import yaml
+
+    from selfdraft.bench.divergence import BLOCK_SIZES
+    from selfdraft.inference.model import shipped_heads_path
+    from selfdraft.tree_syntax import MACHINE_SEP, read_tree_file
+
+    tree_file = shipped_heads_path("smollm2-135m-instruct", "eagle") / "tree.yaml"
+    largest = 0
+    for key in yaml.safe_load(tree_file.read_text()):
+        dtype, _, machine = key.partition(MACHINE_SEP)
+        for sampling in (False, True):
+            shape = read_tree_file(tree_file, dtype, sampling=sampling, machine=machine or None)
+            largest = max(largest, shape.max_tokens)
+    assert largest >= 13  # the dynamic + lookup + extension trees
+    assert BLOCK_SIZES[0] == 1 and max(BLOCK_SIZES) >= largest
+    assert all(b - a <= 4 for a, b in itertools.pairwise(BLOCK_SIZES))
 
 
 def test_bench_marks_divergences_and_counts_them():
