@@ -18,7 +18,7 @@ from selfdraft.training.config import ConfigError, load_run_config
 
 from tiny_models import greedy_reference
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 

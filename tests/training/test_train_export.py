@@ -22,7 +22,7 @@ from selfdraft.training.config import ConfigError, load_run_config
 
 from tiny_models import COMMON, greedy_reference
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 DEPTH = 8  # EAGLE-3's default layers {2, L//2, L-3} = [2, 4, 5]
 

@@ -13,7 +13,7 @@ from selfdraft.inference import SelfDraftModel
 
 from tiny_models import random_heads, tiny_target
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # layer rank by package; the core is every module directly in selfdraft/
 LAYERS = {"core": 0, "heads": 1, "inference": 2, "bench": 3, "training": 4, "scripts": 5}
 FOLDERS = {"selfdraft": "core", "heads": "heads", "inference": "inference", "bench": "bench",

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from selfdraft.training import config as run_config
 from selfdraft.training.config import ConfigError, RunConfig, load_run_config, resolve_precision
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.model import shipped_heads_dir
 
-SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-eagle"
+SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle"
 PROMPTS = [
     "How do I make a cup of tea?",
     "Write a Python function that returns the largest element of a list.",

@@ -16,7 +16,7 @@ import torch
 
 from selfdraft.training import checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_non_finite_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path):
