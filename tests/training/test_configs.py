@@ -1,0 +1,136 @@
+"""Every run config in configs/train runs: it loads with the project's own loader, the files it names
+exist, and the heads it continues from (`heads.init_from`) are of its kind, layout and layers."""
+
+from pathlib import Path
+
+import pytest
+
+from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.folder import read_heads_config
+from selfdraft.training.config import RunConfig, load_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "configs" / "train"
+CONFIGS = sorted(TRAIN.rglob("*.yaml"))
+BUILTIN_SOURCES = ("sharegpt", "python-stdlib")  # `selfdraft.corpora.load_source`: NAME[:N]
+
+
+def missing_files(config: RunConfig) -> list[str]:
+    """The DeepSpeed file and local data sources a config names that are not in the tree."""
+    missing = [] if (ROOT / config.deepspeed).is_file() else [f"deepspeed {config.deepspeed}"]
+    for source in config.data.sources:
+        name, _, count = source.partition(":")
+        if name in BUILTIN_SOURCES and (count == "" or count.isdigit()):
+            continue
+        if not (ROOT / source).exists():
+            missing.append(f"data.sources {source}")
+    return missing
+
+
+def _layer_numbers(layers: list[int], depth: int) -> list[int]:
+    """output_hidden_states indices with negatives counted from the end (-1 = depth)."""
+    return [layer % (depth + 1) for layer in layers]
+
+
+def init_from_problem(config: RunConfig, heads: HeadsConfig) -> str | None:
+    """Why `selfdraft train` could not continue `heads` under `config` (None: it can).
+
+    The same kind; for EAGLE the same layout, and the same feature layers, or one layer that the
+    config's several include (`EagleHead.widened` starts the fusion on it)."""
+    h = config.heads
+    if heads.head_kind != h.kind:
+        return f"holds {heads.head_kind} heads, the config trains {h.kind}"
+    if h.kind != "eagle":
+        return None
+    if heads.eagle_layout != h.layout:
+        return f"holds {heads.eagle_layout}-layout heads, the config trains layout {h.layout}"
+    depth = heads.target_num_layers
+    theirs = _layer_numbers(list(heads.feature_layers), depth)
+    ours = _layer_numbers(list(h.feature_layers or []), depth)
+    if theirs != ours and not (len(theirs) == 1 and theirs[0] in ours):
+        return f"reads target layers {heads.feature_layers}, the config fuses {h.feature_layers}"
+    if h.layout == "eagle3" and h.draft_vocab_size not in (None, heads.draft_vocab_size):
+        return f"has a draft vocabulary of {heads.draft_vocab_size}, the config asks {h.draft_vocab_size}"
+    return None
+
+
+def test_there_is_one_recipe_per_target_and_a_gpu_variant():
+    """The top of configs/train holds the recipes (one per target); gpu/ their GPU variants; the
+    studies live in ablations/."""
+    top = sorted(p.name for p in TRAIN.glob("*.yaml"))
+    assert top == ["smollm2-135m.yaml"]
+    assert sorted(p.name for p in (TRAIN / "gpu").glob("*.yaml")) == top
+    for name in top:
+        cpu, gpu = load_run_config(TRAIN / name), load_run_config(TRAIN / "gpu" / name)
+        assert (cpu.target, cpu.heads, cpu.data) == (gpu.target, gpu.heads, gpu.data)
+        assert cpu.train.ttt_steps == gpu.train.ttt_steps
+    assert all(p.parent.name in ("train", "gpu") or "ablations" in p.parts for p in CONFIGS)
+
+
+def test_the_recipe_trains_exportable_heads_from_scratch():
+    config = load_run_config(TRAIN / "smollm2-135m.yaml")
+    assert config.heads.layout == "eagle3" and config.heads.init_from is None
+    assert config.heads.fc_bias is False and config.train.feature_weight == 0
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(TRAIN)))
+def test_every_config_loads_and_names_files_that_exist(path):
+    config = load_run_config(path)
+    assert not missing_files(config), missing_files(config)
+    if config.heads.init_from:
+        folder = ROOT / config.heads.init_from
+        assert (folder / "model.safetensors").is_file(), f"{path.name}: no heads in {folder}"
+        assert init_from_problem(config, read_heads_config(folder)) is None, (
+            path.name,
+            init_from_problem(config, read_heads_config(folder)),
+        )
+
+
+def test_the_shipped_recipe_continues_heads_that_are_in_the_tree():
+    """The exact recipe of the shipped heads is kept runnable: it states their layout and continues
+    heads that are still in the tree."""
+    config = load_run_config(TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml")
+    assert config.heads.layout == "selfdraft" and config.heads.init_from
+    shipped = ROOT / "checkpoints" / "smollm2-135m-instruct-eagle"
+    assert (shipped / "training_config.yaml").read_text() == (
+        TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml"
+    ).read_text()
+    assert read_heads_config(shipped).eagle_layout == "selfdraft"
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        ({"kind": "medusa"}, "holds eagle heads"),
+        ({"layout": "eagle3", "fc_bias": False, "feature_layers": [2, 15, 27]}, "selfdraft-layout"),
+        ({"feature_layers": [5]}, "reads target layers"),
+        ({"feature_layers": [2, 15, 27]}, "reads target layers"),  # -1 is 30, not 27
+    ],
+)
+def test_incompatible_init_from_is_caught(tmp_path, edit, problem):
+    """The check above fails a config whose kind, layout or layers do not match the heads it names;
+    the shipped recipe's own heads serve as the folder."""
+    path = TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml"
+    config = load_run_config(path)
+    heads = read_heads_config(ROOT / config.heads.init_from)
+    assert init_from_problem(config, heads) is None
+    for key, value in edit.items():
+        setattr(config.heads, key, value)
+    assert problem in (init_from_problem(config, heads) or "")
+
+
+def test_widening_one_layer_into_several_is_compatible():
+    config = load_run_config(TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml")
+    heads = read_heads_config(ROOT / config.heads.init_from)
+    heads.feature_layers = [-1]  # heads that read the last layer alone, continued on a fused run
+    assert init_from_problem(config, heads) is None
+
+
+def test_missing_files_are_named(tmp_path):
+    config = load_run_config(TRAIN / "smollm2-135m.yaml")
+    config.data.sources = [*config.data.sources, "data/distill/no-such-part.jsonl.gz", "sharegpt:10"]
+    config.deepspeed = "configs/deepspeed/zero9.json"
+    assert missing_files(config) == [
+        "deepspeed configs/deepspeed/zero9.json",
+        "data.sources data/distill/no-such-part.jsonl.gz",
+    ]
