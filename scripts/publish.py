@@ -1,4 +1,5 @@
-"""`selfdraft publish`: a training run -> a heads folder with a model card; optionally upload it."""
+"""`selfdraft publish`: a training run -> a Hub-shaped heads folder (config.json, model.safetensors,
+tree.yaml, training_config.yaml, README.md card); optionally upload it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar=("RUN", "CONFIG"),
-        help="an earlier stage this run continued from (heads.init_from), oldest first; repeatable",
+        help="an earlier stage this run continued from (heads.init_from), oldest first: the card sums "
+        "it with this run; repeatable",
     )
     parser.add_argument(
         "--bench",
@@ -38,14 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("JSON", "COMMAND"),
         help="a bench.json whose prompts chose these heads or their tree, and its command: the card "
         "gives its tau and identity but no speedup; repeatable",
-    )
-    parser.add_argument(
-        "--study",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a `selfdraft compare --out` folder (ablations, data size) whose table and plots go into the "
-        "card; repeatable",
     )
     parser.add_argument("--tree", default=None, help="tree.yaml chosen by `selfdraft tune`")
     parser.add_argument("--tokens", type=int, default=None, help="training tokens (default: from the cache)")
@@ -75,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype),
         tokens=tokens,
         earlier=[tuple(pair) for pair in args.earlier],
-        studies=args.study,
     )
     print(f"wrote {dest}")
     if args.push_to:

@@ -1,13 +1,14 @@
 """Turn a training run into a publishable heads folder with a Hugging Face model card.
 
-The folder holds `config.json`, `model.safetensors` (fp16 by default), `tree.yaml` when a tree was
-tuned, the run config, and `README.md` whose numbers all come from files the run and the benchmark
-wrote (log.jsonl, bench.json): nothing in the card is typed by hand.
+The folder holds what a Hub user expects and nothing else: `config.json`, `model.safetensors` (fp16
+by default), `tree.yaml` when a tree was tuned, the run config as `training_config.yaml`, and a
+`README.md` card (standard YAML front matter, a body of at most `CARD_LIMIT` bytes) whose numbers all
+come from files the run and the benchmark wrote (log.jsonl, bench.json): nothing in it is typed by
+hand. Stage histories and studies belong in the project's docs, not in the folder.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from collections.abc import Sequence
@@ -26,6 +27,10 @@ from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+# the files of a published folder (tree.yaml only when a tree was tuned)
+FOLDER_FILES = ("config.json", "model.safetensors", "tree.yaml", "training_config.yaml", "README.md")
+RUN_CONFIG_NAME = "training_config.yaml"
+CARD_LIMIT = 8 * 1024  # bytes of card: what a reader takes in on a Hub page; depth goes to docs
 
 
 def _session_seconds(session: list[dict], heads_file: Path) -> float:
@@ -97,9 +102,6 @@ def run_summary(run_dir: Path, sequences_per_step: int = 0) -> dict:
     }
 
 
-STAGES_FILE = "stages.json"  # a published folder's training history; a run continuing from it inherits it
-
-
 @dataclass(frozen=True)
 class Stage:
     """One training run of a checkpoint's history (a later stage starts from an earlier one's heads)."""
@@ -135,17 +137,6 @@ def read_stage(run_dir: str | Path, config_path: str | Path, train_command: str 
         summary=summary,
         command=train_command or f"selfdraft train --config {config_path} --nproc {summary['world_size']}",
     )
-
-
-def inherited_stages(config_path: str | Path) -> list[Stage]:
-    """The stages recorded in the heads folder the run continued from (`heads.init_from`), if any."""
-    from selfdraft.training.config import load_run_config
-
-    init_from = load_run_config(config_path).heads.init_from
-    path = Path(init_from) / STAGES_FILE if init_from else None
-    if path is None or not path.is_file():
-        return []
-    return [Stage(**stage) for stage in json.loads(path.read_text())]
 
 
 def _sources_line(stage: Stage) -> str:
@@ -202,9 +193,7 @@ def _training_lines(stages: Sequence[Stage], tokens: int | None) -> list[str]:
             f"- Held-out top-1 agreement with the target by depth: {acc}; simulated chain tau "
             f"{e['eval_simulated_tau_chain']:.2f}."
         )
-    for i, stage in enumerate(stages, 1):
-        title = f"Stage {i} config (`{stage.config_path}`):" if len(stages) > 1 else "Run config:"
-        lines += ["", title, "", "```yaml", stage.config_text.strip(), "```"]
+    lines.append(f"- Run config{' of the last stage' if len(stages) > 1 else ''}: `{RUN_CONFIG_NAME}` here.")
     return lines
 
 
@@ -295,12 +284,13 @@ def model_card(
     benches: Sequence[tuple[dict, str]],
     repo_path: str,
     selection_benches: Sequence[tuple[dict, str]] = (),
-    studies: Sequence[tuple[str, str, Sequence[str]]] = (),
     shipped: bool = True,
+    layout: str = "selfdraft",
 ) -> str:
-    """studies: (name, its compare.md text, its plots' paths relative to the card) per study.
-    shipped: the folder is the one selfdraft loads by default for this target."""
+    """shipped: the folder is the one selfdraft loads by default for this target. layout: the EAGLE
+    heads' layout (`eagle3` ones export to vLLM / SGLang)."""
     base = BASE_MODELS.get(target, target)
+    tags = ["speculative-decoding", kind, "draft-model"] + (["eagle3"] if layout == "eagle3" else [])
     lines = [
         "---",
         f"base_model: {base}",
@@ -308,7 +298,7 @@ def model_card(
         "license: apache-2.0",
         "datasets:",
         f"- {DATASETS['sharegpt']}",
-        "tags: [speculative-decoding, eagle, medusa, draft-model]",
+        f"tags: [{', '.join(tags)}]",
         "---",
         "",
         f"# selfdraft {kind} heads for {target}",
@@ -340,37 +330,17 @@ def model_card(
         lines += _bench_lines(bench, command, number, selection=chose)
     if not numbered:
         lines += ["", "No benchmark was recorded for this checkpoint."]
-    if studies:
-        lines += ["", "## Studies", "", "Training runs compared by `selfdraft compare` (ablations, data size)."]
-    for name, table, plots in studies:
-        lines += ["", f"### {name}", "", table.strip()]
-        lines += [""] + [f"![{name}: {Path(plot).stem}]({plot})" for plot in plots]
     return "\n".join(lines) + "\n"
 
 
-STUDIES_DIR = "studies"
-
-
-def check_study(folder: Path) -> Path:
-    """The study's compare.md; a folder without one is a user error (before anything is written)."""
-    table = folder / "compare.md"
-    if not table.is_file():
-        raise UserError(f"{folder} holds no compare.md; write it with: selfdraft compare CONFIG... --out {folder}")
-    return table
-
-
-def copy_study(folder: str | Path, dest: Path) -> tuple[str, str, list[str]]:
-    """A `selfdraft compare --out` folder into dest/studies/<name>/: (name, compare.md text, plots'
-    paths relative to dest) for the card."""
-    folder = Path(folder)
-    table = check_study(folder)
-    out = dest / STUDIES_DIR / folder.name
-    out.mkdir(parents=True, exist_ok=True)
-    plots = []
-    for png in sorted(folder.glob("*.png")):
-        shutil.copy(png, out / png.name)
-        plots.append(f"{STUDIES_DIR}/{folder.name}/{png.name}")
-    return folder.name, table.read_text(), plots
+def check_card_size(card: str) -> None:
+    """A card over `CARD_LIMIT` bytes is refused before anything is written."""
+    size = len(card.encode())
+    if size > CARD_LIMIT:
+        raise UserError(
+            f"the model card would be {size:,} bytes, over the {CARD_LIMIT:,} a card should stay within; "
+            "pass fewer --bench / --selection-bench reports (each bench.md keeps its full tables)"
+        )
 
 
 def publish(
@@ -387,47 +357,39 @@ def publish(
     tokens: int | None = None,
     repo_path: str | None = None,
     earlier: Sequence[tuple[str | Path, str | Path]] = (),
-    studies: Sequence[str | Path] = (),
 ) -> Path:
-    """Write `dest` from the run `run_dir` trained with `config_path`.
+    """Write `dest` (the files of `FOLDER_FILES`) from the run `run_dir` trained with `config_path`.
 
     earlier: (run_dir, config_path) of the stages the run continued from (`heads.init_from`), oldest
-    first, after those recorded in the init_from folder's stages.json; the card states every stage
-    and the folder keeps each stage's config and its stages.json.
+    first; the card sums them with this run, and the folder keeps only this run's config.
     benches: (bench.json, the command that wrote it) for each benchmark the card reports.
     selection_benches: the same for benchmarks whose prompts chose these heads or their tree; the card
     gives their tau and identity, never their speedups, ahead of the report benches.
-    studies: `selfdraft compare --out` folders; their tables and plots go into the card.
+    A card over `CARD_LIMIT` bytes is refused before anything is written.
     """
     run_dir, dest = Path(run_dir), Path(dest)
-    for folder in studies:
-        check_study(Path(folder))
     heads = load_heads(run_dir / "heads")
-    stages = inherited_stages(config_path) + [read_stage(r, c) for r, c in earlier]
+    stages = [read_stage(r, c) for r, c in earlier]
     stages.append(read_stage(run_dir, config_path, train_command))
+    card = model_card(
+        target=target,
+        kind=heads.config.head_kind,
+        stages=stages,
+        tokens=tokens,
+        benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
+        selection_benches=[(json.loads(Path(p).read_text()), command) for p, command in selection_benches],
+        repo_path=repo_path or str(dest),
+        shipped=dest.resolve() == shipped_heads_path(target, heads.config.head_kind).resolve(),
+        layout=heads.config.eagle_layout,
+    )
+    check_card_size(card)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(heads, tmp, dtype=dtype)
-    for i, stage in enumerate(stages[:-1], 1):
-        (tmp / f"training_config.stage{i}.yaml").write_text(stage.config_text)
-    (tmp / "training_config.yaml").write_text(stages[-1].config_text)
-    (tmp / STAGES_FILE).write_text(json.dumps([dataclasses.asdict(st) for st in stages], indent=1))
+    (tmp / RUN_CONFIG_NAME).write_text(stages[-1].config_text)
     if tree_file:
         shutil.copy(tree_file, tmp / "tree.yaml")
-    copied = [copy_study(folder, tmp) for folder in studies]
-    (tmp / "README.md").write_text(
-        model_card(
-            target=target,
-            kind=heads.config.head_kind,
-            stages=stages,
-            tokens=tokens,
-            benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
-            selection_benches=[(json.loads(Path(p).read_text()), command) for p, command in selection_benches],
-            repo_path=repo_path or str(dest),
-            studies=copied,
-            shipped=dest.resolve() == shipped_heads_path(target, heads.config.head_kind).resolve(),
-        )
-    )
+    (tmp / "README.md").write_text(card)
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)

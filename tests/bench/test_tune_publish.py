@@ -308,16 +308,14 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
         tokens=12345,
     )
     names = sorted(p.name for p in dest.iterdir())
-    assert names == ["README.md", "config.json", "model.safetensors", "stages.json", "training_config.yaml"]
+    assert names == ["README.md", "config.json", "model.safetensors", "training_config.yaml"]
+    assert (dest / "training_config.yaml").read_text() == config.read_text()
     card = (dest / "README.md").read_text()
-    header = card.split("---")[1]
-    for key in (
-        "base_model: HuggingFaceTB/SmolLM2-135M-Instruct",
-        "library_name: selfdraft",
-        "license:",
-        "datasets:",
-    ):
-        assert key in header
+    header = yaml.safe_load(card.split("---")[1])
+    assert header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert header["library_name"] == "selfdraft" and header["license"] and header["datasets"]
+    assert "eagle" in header["tags"] and "speculative-decoding" in header["tags"]
+    assert len(card.encode()) <= 8 * 1024
     for fact in (
         "12345",
         "5 steps",
@@ -384,8 +382,9 @@ def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_ta
 
 
 def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
-    """A run continued from an earlier run's heads: the card sums both stages and keeps both configs."""
-    from selfdraft.training.publish import publish
+    """A run continued from an earlier run's heads: the card sums both stages; the folder keeps only
+    the last stage's config, in the Hub shape (no per-stage copies, no history file)."""
+    from selfdraft.training.publish import FOLDER_FILES, publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
@@ -394,14 +393,17 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     first, second = tmp_path / "one.yaml", tmp_path / "two.yaml"
     first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
     second.write_text("target: x\nheads:\n  init_from: stage1/heads\ntrain:\n  micro_batch_size: 3\n")
+    tree = tmp_path / "tree.yaml"
+    write_tree_file(tree, resolve_tree("chain-2"))
     dest = publish(
         tmp_path / "stage2",
         tmp_path / "card",
         target="smollm2-135m-instruct",
         config_path=second,
         earlier=[(tmp_path / "stage1", first)],
+        tree_file=tree,
     )
-    assert (dest / "training_config.stage1.yaml").read_text() == first.read_text()
+    assert sorted(p.name for p in dest.iterdir()) == sorted(FOLDER_FILES)
     assert (dest / "training_config.yaml").read_text() == second.read_text()
     card = (dest / "README.md").read_text()
     for fact in (
@@ -410,28 +412,25 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
         f"Stage 2 of 2: `selfdraft train --config {second} --nproc 2`: 7 steps",
         "42 sequences (1.4 passes over its 30)",
         "In all: 12 steps, 62 sequences, 5.0 min of training",
-        "init_from: stage1/heads",
+        "Run config of the last stage: `training_config.yaml` here.",
         "No benchmark was recorded",
     ):
         assert fact in card, fact
+    assert "init_from: stage1/heads" not in card  # configs live in the folder, not in the card
 
 
-def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_dir):
-    """A run continued from a published folder inherits its stages.json; a run stopped between
-    checkpoints counts up to its last checkpoint, with the tokens its steps fed (as the run counted them
-    at that step, else replayed from its split), its wall time to its last logged row, its precision and
-    where it ran."""
+def test_publish_counts_a_stopped_run(tmp_path, tiny_target_dir):
+    """A run stopped between checkpoints counts up to its last checkpoint, with the tokens its steps
+    fed (as the run counted them at that step, else replayed from its split), its wall time to its last
+    logged row, its precision and where it ran."""
     from selfdraft.training.dataset import rows_to_dataset
-    from selfdraft.training.publish import STAGES_FILE, publish
+    from selfdraft.training.publish import publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     first = tmp_path / "one.yaml"
     first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
-    shipped = publish(
-        tmp_path / "stage1", tmp_path / "shipped", target="smollm2-135m-instruct", config_path=first
-    )
     run = tmp_path / "stage2"
     save_heads(model.heads, run / "heads")
     (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2, "precision": "bfloat16"}))
@@ -454,9 +453,15 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
     rows_to_dataset(rows).save_to_disk(str(run / "data" / "train"))
     second = tmp_path / "two.yaml"
     second.write_text(
-        f"target: x\nheads:\n  init_from: {shipped}\ntrain:\n  micro_batch_size: 2\n  max_steps: 10\n"
+        f"target: x\nheads:\n  init_from: {tmp_path / 'stage1'}\ntrain:\n  micro_batch_size: 2\n  max_steps: 10\n"
     )
-    dest = publish(run, tmp_path / "card", target="smollm2-135m-instruct", config_path=second)
+    dest = publish(
+        run,
+        tmp_path / "card",
+        target="smollm2-135m-instruct",
+        config_path=second,
+        earlier=[(tmp_path / "stage1", first)],
+    )
     card = (dest / "README.md").read_text()
     for fact in (
         f"Stage 1 of 2: `selfdraft train --config {first} --nproc 2`: 5 steps, world size 2",
@@ -469,40 +474,28 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
         "Last stage's training split: 84 tokens in 12 sequences",
     ):
         assert fact in card, fact
-    assert len(json.loads((dest / STAGES_FILE).read_text())) == 2
     # a folder outside checkpoints/ is not what selfdraft loads by default, and its card says so
     assert "not the shipped default" in card and "loads these heads by default" not in card
 
 
-def test_publish_puts_compared_studies_with_their_plots_in_the_card(tmp_path, tiny_target_dir):
-    """`--study DIR`: each compare folder's table goes into the card and its plots into the folder, linked
-    from the card; a folder without compare.md is refused before anything is written."""
+def test_publish_refuses_a_card_over_the_limit_before_writing(tmp_path, tiny_target_dir):
+    """Benches enough to push the card past CARD_LIMIT bytes are a user error naming the fix, and
+    nothing is written."""
     from selfdraft.errors import UserError
-    from selfdraft.training.publish import publish
+    from selfdraft.training.publish import CARD_LIMIT, publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "one.yaml"
-    config.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
-    study = tmp_path / "data-size"
-    study.mkdir()
-    (study / "compare.md").write_text("| run | train tokens |\n|---|---|\n| small | 23,000 |\n")
-    (study / "scaling.png").write_bytes(b"png-bytes")
-    dest = publish(
-        tmp_path / "run", tmp_path / "card", target="smollm2-135m-instruct", config_path=config, studies=[study]
-    )
-    card = (dest / "README.md").read_text()
-    assert "### data-size" in card and "| small | 23,000 |" in card
-    assert "![data-size: scaling](studies/data-size/scaling.png)" in card
-    assert (dest / "studies" / "data-size" / "scaling.png").read_bytes() == b"png-bytes"
-
-    with pytest.raises(UserError, match="compare.md"):
-        publish(
-            tmp_path / "run",
-            tmp_path / "other",
-            target="smollm2-135m-instruct",
-            config_path=config,
-            studies=[tmp_path],
-        )
-    assert not (tmp_path / "other").exists() and not (tmp_path / "other.tmp").exists()
+    config.write_text("target: x\n")
+    row = {"prompts": "sharegpt:4", "temperature": 0.0, "identical_to_baseline": True, "tokens_per_s": 1.0}
+    summary = [{**row, "method": f"selfdraft:runs/heads-{i}", "tau": 2.0, "speedup": 1.5} for i in range(40)]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"summary": summary}))
+    kwargs = {"target": "smollm2-135m-instruct", "config_path": config}
+    small = publish(tmp_path / "run", tmp_path / "small", **kwargs, benches=[(bench, "selfdraft bench")])
+    assert len((small / "README.md").read_bytes()) <= CARD_LIMIT
+    with pytest.raises(UserError, match="fewer --bench"):
+        publish(tmp_path / "run", tmp_path / "big", **kwargs, benches=[(bench, "selfdraft bench")] * 3)
+    assert not (tmp_path / "big").exists() and not (tmp_path / "big.tmp").exists()

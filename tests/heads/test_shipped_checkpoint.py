@@ -6,8 +6,11 @@ from pathlib import Path
 import yaml
 from safetensors.torch import load_file
 
+from selfdraft.heads.folder import read_heads_config
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.model import shipped_heads_dir
+from selfdraft.training.config import load_run_config
+from selfdraft.training.publish import CARD_LIMIT, FOLDER_FILES
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle"
 PROMPTS = [
@@ -23,8 +26,13 @@ TAU_FLOOR = 2.0
 
 def test_folder_is_a_model_card_checkpoint():
     assert shipped_heads_dir("smollm2-135m-instruct") == SHIPPED
-    names = {p.name for p in SHIPPED.iterdir()}
-    assert {"config.json", "model.safetensors", "README.md"} <= names
+    # the Hub shape `selfdraft publish` writes: five files, no stage copies or studies
+    assert sorted(p.name for p in SHIPPED.iterdir()) == sorted(FOLDER_FILES)
+    assert len((SHIPPED / "README.md").read_bytes()) <= CARD_LIMIT
+    run = load_run_config(SHIPPED / "training_config.yaml")
+    heads = read_heads_config(SHIPPED)
+    assert (run.heads.kind, run.heads.layout) == (heads.head_kind, heads.eagle_layout)
+    assert run.heads.feature_layers == heads.feature_layers
     assert (SHIPPED / "model.safetensors").stat().st_size < 32 * 2**20
     state = load_file(SHIPPED / "model.safetensors")
     assert not any(
