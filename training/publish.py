@@ -19,6 +19,7 @@ import yaml
 
 from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
+from selfdraft.destinations import check_destination, staged_folder
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
@@ -373,12 +374,36 @@ def copy_study(folder: str | Path, dest: Path) -> tuple[str, str, list[str]]:
     return folder.name, table.read_text(), plots
 
 
+def card_target(config_path: str | Path, target: str | None) -> str:
+    """The target the card names: the run config's own `target` (what the heads were trained on).
+    `target` may only name it differently when the run trained on a local folder (a card's base_model
+    is a hub id, which a path is not); any other disagreement is refused."""
+    from selfdraft.target import EMBEDDED
+    from selfdraft.training.config import load_run_config
+
+    trained = load_run_config(config_path).target
+    local = trained.lower() not in EMBEDDED and Path(trained).exists()
+    if target is None or target == trained:
+        if local:
+            raise UserError(
+                f"the run trained on the local folder {trained!r} ({config_path}), which a model card "
+                "cannot name as base_model; pass --target HUB_ID, the hub id of that model"
+            )
+        return trained
+    if not local:
+        raise UserError(
+            f"--target {target!r} is not the target the run trained on ({trained!r} in {config_path}); "
+            "drop --target, the card names the run's own target"
+        )
+    return target
+
+
 def publish(
     run_dir: str | Path,
     dest: str | Path,
     *,
-    target: str,
     config_path: str | Path,
+    target: str | None = None,
     benches: Sequence[tuple[str | Path, str]] = (),
     selection_benches: Sequence[tuple[str | Path, str]] = (),
     tree_file: str | Path | None = None,
@@ -388,9 +413,11 @@ def publish(
     repo_path: str | None = None,
     earlier: Sequence[tuple[str | Path, str | Path]] = (),
     studies: Sequence[str | Path] = (),
+    overwrite: bool = False,
 ) -> Path:
     """Write `dest` from the run `run_dir` trained with `config_path`.
 
+    target: None (the run config's target) or, for a run on a local folder, the hub id the card names.
     earlier: (run_dir, config_path) of the stages the run continued from (`heads.init_from`), oldest
     first, after those recorded in the init_from folder's stages.json; the card states every stage
     and the folder keeps each stage's config and its stages.json.
@@ -398,39 +425,46 @@ def publish(
     selection_benches: the same for benchmarks whose prompts chose these heads or their tree; the card
     gives their tau and identity, never their speedups, ahead of the report benches.
     studies: `selfdraft compare --out` folders; their tables and plots go into the card.
+    overwrite: replace a non-empty `dest`'s heads-folder files (refused without it; see
+    `selfdraft.destinations`). `dest` may be the init_from folder (re-publishing a checkpoint), never
+    a source such as the run folder.
     """
     run_dir, dest = Path(run_dir), Path(dest)
+    sources = [run_dir, config_path, *(p for p, _ in benches), *(p for p, _ in selection_benches)]
+    sources += [*studies, *(r for r, _ in earlier), *(c for _, c in earlier)]
+    sources += [tree_file] if tree_file else []
+    check_destination(dest, sources, overwrite=overwrite)
+    target = card_target(config_path, target)
     for folder in studies:
         check_study(Path(folder))
     heads = load_heads(run_dir / "heads")
     stages = inherited_stages(config_path) + [read_stage(r, c) for r, c in earlier]
     stages.append(read_stage(run_dir, config_path, train_command))
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_heads(heads, tmp, dtype=dtype)
-    for i, stage in enumerate(stages[:-1], 1):
-        (tmp / f"training_config.stage{i}.yaml").write_text(stage.config_text)
-    (tmp / "training_config.yaml").write_text(stages[-1].config_text)
-    (tmp / STAGES_FILE).write_text(json.dumps([dataclasses.asdict(st) for st in stages], indent=1))
-    if tree_file:
-        shutil.copy(tree_file, tmp / "tree.yaml")
-    copied = [copy_study(folder, tmp) for folder in studies]
-    (tmp / "README.md").write_text(
-        model_card(
-            target=target,
-            kind=heads.config.head_kind,
-            stages=stages,
-            tokens=tokens,
-            benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
-            selection_benches=[(json.loads(Path(p).read_text()), command) for p, command in selection_benches],
-            repo_path=repo_path or str(dest),
-            studies=copied,
-            shipped=dest.resolve() == shipped_heads_path(target, heads.config.head_kind).resolve(),
+    card_benches = [(json.loads(Path(path).read_text()), command) for path, command in benches]
+    card_selection = [(json.loads(Path(p).read_text()), command) for p, command in selection_benches]
+    shipped = dest.resolve() == shipped_heads_path(target, heads.config.head_kind).resolve()
+    with staged_folder(dest) as tmp:
+        save_heads(heads, tmp, dtype=dtype)
+        for i, stage in enumerate(stages[:-1], 1):
+            (tmp / f"training_config.stage{i}.yaml").write_text(stage.config_text)
+        (tmp / "training_config.yaml").write_text(stages[-1].config_text)
+        (tmp / STAGES_FILE).write_text(json.dumps([dataclasses.asdict(st) for st in stages], indent=1))
+        if tree_file:
+            shutil.copy(tree_file, tmp / "tree.yaml")
+        copied = [copy_study(folder, tmp) for folder in studies]
+        (tmp / "README.md").write_text(
+            model_card(
+                target=target,
+                kind=heads.config.head_kind,
+                stages=stages,
+                tokens=tokens,
+                benches=card_benches,
+                selection_benches=card_selection,
+                repo_path=repo_path or str(dest),
+                studies=copied,
+                shipped=shipped,
+            )
         )
-    )
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
     return dest
 
 

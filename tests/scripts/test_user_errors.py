@@ -1,14 +1,17 @@
 """Bad inputs and awkward settings: each gets a clear UserError (one CLI line, exit 2) or just works."""
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
 from selfdraft.bench import report as bench_report
 from selfdraft.bench.tune import score_trees
+from selfdraft.destinations import staged_file, staged_folder
 from selfdraft.errors import UserError
-from selfdraft.heads import HeadsConfig, build_heads
+from selfdraft.heads import HeadsConfig, build_heads, save_heads
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.model import prompt_text
 from selfdraft.scripts import cli
@@ -16,7 +19,7 @@ from selfdraft.tree import TreeSpec
 from selfdraft.tree_syntax import read_tree_file, resolve_tree
 from selfdraft.typed_config import ConfigError, build_dataclass
 
-from tiny_models import greedy_reference, tiny_target
+from tiny_models import greedy_reference, random_heads, tiny_target
 
 
 def medusa(target, heads: int):
@@ -152,3 +155,242 @@ def test_tune_skips_trees_deeper_than_the_heads():
     assert [s.tree for s in scores] == ["chain-2"]
     with pytest.raises(UserError, match="no candidate tree fits"):
         score_trees(model, prompts, ["chain-4"], 6, curve={1: 1.0, 64: 2.0})
+
+
+# ---- the matrix: bad command lines, each refused in one line (exit 2) with nothing destroyed ----------
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every name under root with its bytes (None for a folder): what "nothing destroyed" compares."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def _fake_run(root: Path, target_name: str = "smollm2-135m-instruct") -> tuple[Path, Path]:
+    """A finished training run (heads, log, run.json, a checkpoint) and its config."""
+    heads = random_heads(tiny_target("llama"), "eagle", 0)
+    run = root / "run"
+    save_heads(heads, run / "heads")
+    (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 1}))
+    log = [{"step": 0, "event": "start", "examples": 4}, {"step": 2, "event": "done", "train_seconds": 1.0}]
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log))
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step-2")
+    config = root / "run.yaml"
+    config.write_text(f"target: {target_name}\n")
+    return run, config
+
+
+def _publish(run: Path, config: Path, dest: Path, *extra: str) -> list[str]:
+    return ["publish", "--run", str(run), "--config", str(config), "--dest", str(dest), *extra]
+
+
+def _prompts(root: Path, text: str = '{"prompt": "hi"}\n') -> Path:
+    path = root / "prompts.jsonl"
+    path.write_text(text)
+    return path
+
+
+def _user_folder(path: Path) -> Path:
+    (path / "src").mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    (path / "src" / "main.py").write_text("print('mine')\n")
+    return path
+
+
+def case_publish_into_the_run(tmp_path):
+    run, config = _fake_run(tmp_path)
+    return _publish(run, config, run), ["--dest", "is the input", "outside the inputs"]
+
+
+def case_publish_inside_the_run(tmp_path):
+    run, config = _fake_run(tmp_path)
+    return _publish(run, config, run / "published"), ["lies inside the input", "outside the inputs"]
+
+
+def case_publish_into_a_users_folder(tmp_path):
+    run, config = _fake_run(tmp_path)
+    return _publish(run, config, _user_folder(tmp_path / "mine")), ["is not empty", "--overwrite"]
+
+
+def case_publish_for_another_target(tmp_path):
+    run, config = _fake_run(tmp_path)
+    argv = _publish(run, config, tmp_path / "card", "--target", "qwen2.5-coder-0.5b-instruct")
+    return argv, ["not the target the run trained on", "drop --target"]
+
+
+def case_publish_a_local_target_without_its_hub_id(tmp_path):
+    run, config = _fake_run(tmp_path, target_name=str(tmp_path))
+    return _publish(run, config, tmp_path / "card"), ["local folder", "--target HUB_ID"]
+
+
+def case_generate_out_is_the_prompts_file(tmp_path):
+    prompts = _prompts(tmp_path)
+    argv = ["generate", "--prompts-file", str(prompts), "--out", str(prompts)]
+    return argv, ["--out", "is the input"]
+
+
+def case_generate_out_exists(tmp_path):
+    (tmp_path / "answers.jsonl").write_text('{"id": 0}\n')
+    argv = ["generate", "--prompts-file", str(_prompts(tmp_path)), "--out", str(tmp_path / "answers.jsonl")]
+    return argv, ["exists", "--overwrite"]
+
+
+def case_generate_out_in_a_missing_folder(tmp_path):
+    argv = ["generate", "--prompts-file", str(_prompts(tmp_path)), "--out", str(tmp_path / "no" / "a.jsonl")]
+    return argv, ["does not exist", "create it"]
+
+
+def case_export_onto_its_source(tmp_path):
+    heads = tmp_path / "heads"
+    save_heads(random_heads(tiny_target("llama"), "eagle", 0), heads)
+    return ["export", "--to", "vllm", str(heads), str(heads)], ["dst", "is the input"]
+
+
+def case_export_into_another_models_folder(tmp_path):
+    heads = tmp_path / "heads"
+    save_heads(random_heads(tiny_target("llama"), "eagle", 0), heads)
+    other = tmp_path / "model"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    return ["export", "--to", "vllm", str(heads), str(other)], ["is not empty", "--overwrite"]
+
+
+def case_convert_into_a_published_folder(tmp_path):
+    src = tmp_path / "medusa"
+    src.mkdir()
+    published = tmp_path / "published"
+    save_heads(random_heads(tiny_target("llama"), "eagle", 0), published)
+    (published / "README.md").write_text("card")
+    (published / "stages.json").write_text("[]")
+    return ["convert", str(src), str(published)], ["is not empty", "--overwrite"]
+
+
+CLI_CASES = [value for name, value in sorted(globals().items()) if name.startswith("case_")]
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c.__name__.removeprefix("case_") for c in CLI_CASES])
+def test_cli_refuses_in_one_line_and_destroys_nothing(case, tmp_path, capsys):
+    argv, words = case(tmp_path)
+    before = _snapshot(tmp_path)
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"selfdraft {argv[0]}: ") and "Traceback" not in err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert _snapshot(tmp_path) == before  # nothing written, nothing removed, no temporary left
+
+
+def test_publish_overwrite_replaces_only_the_heads_folder_files(tmp_path, capsys):
+    """--overwrite onto a user's folder that once held a published card: the heads-folder names are
+    replaced (a stale stage config is removed), the user's own files stay; files are 0644; the card's
+    base_model is the run config's target (no --target)."""
+    run, config = _fake_run(tmp_path, target_name="some-org/some-model")
+    dest = _user_folder(tmp_path / "mine")
+    (dest / "training_config.stage1.yaml").write_text("old stage")
+    (dest / "README.md").write_text("old card")
+    assert cli.main(_publish(run, config, dest, "--overwrite")) == 0, capsys.readouterr().err
+    assert (dest / "notes.txt").read_text() == "mine" and (dest / "src" / "main.py").is_file()
+    assert not (dest / "training_config.stage1.yaml").exists()
+    card = (dest / "README.md").read_text()
+    assert "base_model: some-org/some-model" in card and "SmolLM2" not in card
+    for name in ("config.json", "model.safetensors", "README.md", "stages.json", "training_config.yaml"):
+        assert (dest / name).stat().st_mode & 0o777 == 0o644, name
+    assert dest.stat().st_mode & 0o777 != 0o700 and not list(tmp_path.glob(".*tmp"))
+    assert (run / "checkpoints" / "latest").is_file()
+    # a run trained on a local folder names its hub id with --target
+    run2, config2 = _fake_run(tmp_path / "local", target_name=str(tmp_path))
+    card2 = tmp_path / "card2"
+    assert cli.main(_publish(run2, config2, card2, "--target", "org/hub-id")) == 0
+    assert (card2 / "config.json").stat().st_mode & 0o777 == 0o644
+    assert "base_model: org/hub-id" in (card2 / "README.md").read_text()
+
+
+def test_staged_folder_is_all_or_nothing(tmp_path):
+    dest = _user_folder(tmp_path / "dest")
+    (dest / "config.json").write_text("old")
+    (dest / "stages.json").write_text("old")
+    before = _snapshot(tmp_path)
+    with pytest.raises(KeyboardInterrupt), staged_folder(dest) as tmp:
+        (tmp / "config.json").write_text("new")
+        raise KeyboardInterrupt  # Ctrl-C half-way: dest as it was, no temporary left
+    assert _snapshot(tmp_path) == before
+    with staged_folder(dest) as tmp:
+        (tmp / "config.json").write_text("new")
+        (tmp / "studies").mkdir()
+    assert (dest / "config.json").read_text() == "new" and (dest / "studies").is_dir()
+    assert not (dest / "stages.json").exists()  # owned and not rewritten: not left stale beside new weights
+    assert (dest / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"]
+
+
+def test_staged_file_never_truncates_what_it_replaces(tmp_path):
+    out = tmp_path / "answers.jsonl"
+    out.write_text("earlier answers\n")
+    with pytest.raises(KeyboardInterrupt), staged_file(out) as fh:
+        fh.write("half")
+        raise KeyboardInterrupt
+    assert out.read_text() == "earlier answers\n" and sorted(tmp_path.iterdir()) == [out]
+    with staged_file(out) as fh:
+        fh.write("new\n")
+    assert out.read_text() == "new\n" and out.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder this process cannot create files in: mode 0555, or for root (whom modes do not stop)
+    the immutable attribute."""
+    import os
+    import shutil
+    import subprocess
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(folder)]).returncode:
+        pytest.skip("root without chattr +i: no way to make a read-only folder here")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_read_only_destinations_are_named_before_any_work(tmp_path, read_only_folder, capsys):
+    run, config = _fake_run(tmp_path)
+    prompts = _prompts(tmp_path)
+    for argv in (
+        _publish(run, config, read_only_folder / "card"),
+        ["export", "--to", "vllm", str(run / "heads"), str(read_only_folder / "vllm")],
+        ["generate", "--prompts-file", str(prompts), "--out", str(read_only_folder / "a.jsonl")],
+    ):
+        code = cli.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "cannot write into" in err, err
+        assert "writable folder" in err and not list(read_only_folder.iterdir())
+
+
+def test_publish_onto_a_full_disk_leaves_nothing_behind(tmp_path):
+    """A real full disk: a 24 kB tmpfs (the heads take 47 kB) in a private mount namespace (root with unshare only)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip("needs unshare -m (root) for a private small file system")
+    run, config = _fake_run(tmp_path)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=24k tmpfs {disk} && "
+        f"{sys.executable} -m selfdraft.scripts.cli publish --run {run} --config {config} "
+        f"--dest {disk}/card --dtype float32; echo rc=$?; ls -A {disk}"
+    )
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and "no space left" in err[0] and "free some space" in err[0], done.stderr
+    assert done.stdout.split() == ["rc=2"]  # exit 2 and the small disk is empty: no card, no *.tmp
