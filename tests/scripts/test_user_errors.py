@@ -162,7 +162,9 @@ def test_tune_skips_trees_deeper_than_the_heads():
 
 def _snapshot(root: Path) -> dict[str, bytes | None]:
     """Every name under root with its bytes (None for a folder): what "nothing destroyed" compares."""
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))
+    }
 
 
 def _fake_run(root: Path, target_name: str = "smollm2-135m-instruct") -> tuple[Path, Path]:
@@ -265,13 +267,99 @@ def case_convert_into_a_published_folder(tmp_path):
     return ["convert", str(src), str(published)], ["is not empty", "--overwrite"]
 
 
+def _tiny_model_folder(path: Path, weights: bool, tokenizer: bool) -> Path:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    if weights:
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    if tokenizer:
+        PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer(WordLevel({"a": 0}, unk_token="a"))
+        ).save_pretrained(path)
+    return path
+
+
+def case_target_folder_without_weights(tmp_path):
+    target = _tiny_model_folder(tmp_path / "model", weights=False, tokenizer=True)
+    return ["generate", "--target", str(target), "--prompt", "hi"], ["no weights", "save_pretrained"]
+
+
+def case_target_folder_without_tokenizer(tmp_path):
+    target = _tiny_model_folder(tmp_path / "model", weights=True, tokenizer=False)
+    return ["generate", "--target", str(target), "--prompt", "hi"], ["no tokenizer", "save_pretrained"]
+
+
+def case_target_is_a_heads_folder(tmp_path):
+    heads = tmp_path / "heads"
+    save_heads(random_heads(tiny_target("llama"), "eagle", 0), heads)
+    return ["generate", "--target", str(heads), "--prompt", "hi"], ["draft heads, not a model", "--heads"]
+
+
+def case_selfdraft_cache_is_a_file(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(tmp_path / "cache"))
+    return ["generate", "--prompt", "hi"], ["is a file", "$SELFDRAFT_CACHE"]
+
+
+def case_prompts_file_not_utf8(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    argv = ["generate", "--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl")]
+    return argv, ["p.jsonl:2", "0xe9", "save the file as UTF-8"]
+
+
+def case_prompts_file_is_a_folder(tmp_path):
+    argv = ["generate", "--prompts-file", str(tmp_path), "--out", str(tmp_path / "o.jsonl")]
+    return argv, ["is a folder", "JSONL file"]
+
+
+def case_prompts_row_chat_is_not_a_boolean(tmp_path):
+    prompts = _prompts(tmp_path, '{"prompt": "hi", "chat": "no"}\n')
+    argv = ["generate", "--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl")]
+    return argv, [":1:", '"chat" must be true or false', "'no'"]
+
+
+def case_bench_unknown_prompt_set(tmp_path):
+    return ["bench", "--prompts", "nope:3", "--methods", "baseline"], [
+        "unknown prompt set 'nope:3'",
+        "sharegpt:N",
+    ]
+
+
+def case_bench_skip_is_not_a_number(tmp_path):
+    argv = ["bench", "--prompts", "sharegpt:3:skip=x", "--methods", "baseline"]
+    return argv, ["skip 'x' is not a whole number", "sharegpt:N"]
+
+
+def case_bench_empty_prompts_file(tmp_path):
+    empty = _prompts(tmp_path, "\n")
+    return ["bench", "--prompts", str(empty), "--methods", "baseline"], ["holds no prompts", "at least one"]
+
+
 CLI_CASES = [value for name, value in sorted(globals().items()) if name.startswith("case_")]
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=[c.__name__.removeprefix("case_") for c in CLI_CASES])
-def test_cli_refuses_in_one_line_and_destroys_nothing(case, tmp_path, capsys):
-    argv, words = case(tmp_path)
+def test_cli_refuses_in_one_line_and_destroys_nothing(case, tmp_path, capsys, monkeypatch):
+    """Each case is refused before any model loads (so in well under a second past imports)."""
+    import inspect
+
+    extra = {"monkeypatch": monkeypatch} if "monkeypatch" in inspect.signature(case).parameters else {}
+    argv, words = case(tmp_path, **extra)
     before = _snapshot(tmp_path)
+    capsys.readouterr()  # what building the case printed
     code = cli.main(argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -394,3 +482,145 @@ def test_publish_onto_a_full_disk_leaves_nothing_behind(tmp_path):
     err = done.stderr.strip().splitlines()
     assert len(err) == 1 and "no space left" in err[0] and "free some space" in err[0], done.stderr
     assert done.stdout.split() == ["rc=2"]  # exit 2 and the small disk is empty: no card, no *.tmp
+
+
+def test_read_only_selfdraft_cache_is_named(read_only_folder, monkeypatch, capsys):
+    monkeypatch.setenv("SELFDRAFT_CACHE", str(read_only_folder / "cache"))
+    code = cli.main(["generate", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "cannot write the target cache" in err, err
+    assert "$SELFDRAFT_CACHE" in err and not list(read_only_folder.iterdir())
+
+
+def test_api_arguments_of_the_wrong_type_are_refused_not_guessed():
+    """Each of these raised a TypeError, or silently did something else (2.5 -> 3 tokens, True -> 1,
+    float ids truncated, out-of-vocabulary stop ids never matching, None generating for "None")."""
+    target = tiny_target("llama")
+    model = SelfDraftModel(target, None, medusa(target, 4))
+    prompt = torch.tensor([[4, 8, 15]])
+    cases = [
+        ({"max_new_tokens": "8"}, "max_new_tokens must be a whole number"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number"),
+        ({"max_new_tokens": True}, "max_new_tokens must be a whole number"),
+        ({"temperature": "0.7"}, "temperature must be a number"),
+        ({"top_p": "0.9", "temperature": 1.0}, "top_p must be a number"),
+        ({"stop_token_ids": 2}, "stop_token_ids must be a list"),
+        ({"stop_token_ids": [2.0]}, "not a token id of this target"),
+        ({"stop_token_ids": [-1]}, "not a token id of this target"),
+        ({"stop_token_ids": [96]}, "not a token id of this target (0..95)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            model.generate(prompt, **{"max_new_tokens": 4, **kwargs})
+    with pytest.raises(UserError, match="not integer token ids"):
+        model.generate(torch.tensor([[4.0, 8.5]]), 4)
+    with pytest.raises(UserError, match="not integer token ids"):
+        model.generate([[4.0, 8.5], [1, 2]], 4)  # a batch row
+    with pytest.raises(UserError, match="must be text"):
+        model.chat_ids(None)
+    # what is right still works: numpy-like integer scalars, a tuple of stop ids
+    assert len(model.generate(prompt, torch.tensor(3), stop_token_ids=(95,)).tokens) <= 3
+
+
+def test_heads_path_that_is_a_file_is_named_as_such(tmp_path):
+    from selfdraft.heads import load_heads
+
+    heads = tmp_path / "heads"
+    save_heads(random_heads(tiny_target("llama"), "eagle", 0), heads)
+    with pytest.raises(UserError, match="is a file; pass the folder that holds it"):
+        load_heads(heads / "model.safetensors")
+
+
+def test_prompt_rows_read_chat_flags_exactly(tmp_path):
+    from selfdraft.bench.prompts import read_prompt_rows
+
+    path = _prompts(tmp_path, '{"prompt": "a", "chat": false}\n{"prompt": "b"}\n')
+    assert [r["chat"] for r in read_prompt_rows(path)] == [False, True]
+    for bad in ('"no"', "0", "null"):
+        path.write_text(f'{{"prompt": "a", "chat": {bad}}}\n')
+        with pytest.raises(UserError, match='"chat" must be true or false'):
+            read_prompt_rows(path)
+
+
+def test_ctrl_c_is_one_line_and_leaves_the_prompts(tmp_path):
+    """A real SIGINT: while the command's imports run, and during generation (prompts file and --out
+    untouched, no temporary left)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "selfdraft.scripts.cli"]
+    early = subprocess.Popen([*command, "generate", "--prompt", "hi"], stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    early.send_signal(signal.SIGINT)
+    _, err = early.communicate(timeout=120)
+    assert early.returncode == 130 and "Traceback" not in err and err.strip().endswith("interrupted"), err
+
+    prompts = _prompts(tmp_path, "".join(f'{{"prompt": "Count to {i}00."}}\n' for i in range(40)))
+    out = tmp_path / "answers.jsonl"
+    out.write_text("earlier\n")
+    argv = ["generate", "--prompts-file", str(prompts), "--out", str(out), "--overwrite", "--batch-size", "1"]
+    late = subprocess.Popen([*command, *argv], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".answers.jsonl.*")):
+        time.sleep(0.2)  # generation has started once the temporary output exists
+    late.send_signal(signal.SIGINT)
+    _, err = late.communicate(timeout=120)
+    assert late.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "selfdraft generate: interrupted"
+    assert out.read_text() == "earlier\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "answers.jsonl",
+        "prompts.jsonl",
+    ]
+
+
+def test_demo_shows_each_timing_run(capsys):
+    """compare() announces every run; the demo's progress prints all but the streamed one."""
+    import io
+
+    from selfdraft.bench.timing import compare
+    from selfdraft.scripts.demo import TimingProgress
+
+    target = tiny_target("llama")
+    model = SelfDraftModel(target, None, medusa(target, 4))
+    calls = []
+    compare(model, torch.tensor([[4, 8, 15]]), 3, repeats=2, progress=lambda r, m: calls.append((r, m)))
+    assert calls == [(0, "baseline"), (0, "speculative"), (1, "baseline"), (1, "speculative")]
+    log = io.StringIO()  # not a terminal: one line per run
+    progress = TimingProgress(2, log)
+    for r, method in calls:
+        progress(r, method)
+    assert log.getvalue().splitlines() == [
+        "[timing 1/2: target's own generate...]",
+        "[timing 2/2: target's own generate...]",
+        "[timing 2/2: speculative decoding...]",
+    ]
+
+
+def test_demo_import_path_keeps_deepspeed_out(tmp_path):
+    """save_plain (the embedded target's cache) writes what save_pretrained would, without importing
+    DeepSpeed (whose import prints "Setting accelerator to CPU")."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, LlamaConfig
+from selfdraft.target import save_plain
+import selfdraft.scripts.demo, selfdraft.scripts.cli
+selfdraft.scripts.cli.build_parser()
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+model = AutoModelForCausalLM.from_config(config)
+save_plain(model, Path({str(tmp_path / "plain")!r}))
+assert not [m for m in sys.modules if m.startswith("deepspeed")], "deepspeed imported"
+back = AutoModelForCausalLM.from_pretrained({str(tmp_path / "plain")!r})
+ids = torch.tensor([[1, 2, 3]])
+assert torch.equal(back(ids).logits, model(ids).logits)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Setting accelerator" not in done.stderr
