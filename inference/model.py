@@ -124,7 +124,8 @@ def _as_prompt_ids(input_ids, device, vocab_size: int) -> torch.Tensor:
     if isinstance(input_ids, str | bytes):
         raise UserError("generate takes token ids, not text; encode it first, e.g. model.chat_ids(text)")
     given = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids)
-    if given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
+    # an empty list reads as float32; it is refused below as empty
+    if given.numel() and (given.is_floating_point() or given.is_complex() or given.dtype == torch.bool):
         raise UserError(
             f"input_ids are {given.dtype}, not integer token ids; pass the tokenizer's ids (torch.long)"
         )

@@ -348,6 +348,10 @@ def case_bench_empty_prompts_file(tmp_path):
     return ["bench", "--prompts", str(empty), "--methods", "baseline"], ["holds no prompts", "at least one"]
 
 
+def case_tune_unknown_prompt_set(tmp_path):
+    return ["tune", "--heads", str(tmp_path), "--prompts", "nope"], ["unknown prompt set 'nope'", "sharegpt:N"]
+
+
 CLI_CASES = [value for name, value in sorted(globals().items()) if name.startswith("case_")]
 
 
@@ -360,6 +364,12 @@ def test_cli_refuses_in_one_line_and_destroys_nothing(case, tmp_path, capsys, mo
     argv, words = case(tmp_path, **extra)
     before = _snapshot(tmp_path)
     capsys.readouterr()  # what building the case printed
+    from transformers import AutoModelForCausalLM
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model loaded before the bad input was refused")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_model)
     code = cli.main(argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
