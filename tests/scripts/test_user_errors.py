@@ -349,7 +349,10 @@ def case_bench_empty_prompts_file(tmp_path):
 
 
 def case_tune_unknown_prompt_set(tmp_path):
-    return ["tune", "--heads", str(tmp_path), "--prompts", "nope"], ["unknown prompt set 'nope'", "sharegpt:N"]
+    return ["tune", "--heads", str(tmp_path), "--prompts", "nope"], [
+        "unknown prompt set 'nope'",
+        "sharegpt:N",
+    ]
 
 
 CLI_CASES = [value for name, value in sorted(globals().items()) if name.startswith("case_")]
@@ -634,3 +637,44 @@ assert torch.equal(back(ids).logits, model(ids).logits)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Setting accelerator" not in done.stderr
+
+
+def test_splitting_data_shows_only_its_render_and_rows_bars(tmp_path, capfd, caplog):
+    """Filters, index flattening and saving are quick: no bars of their own; bars stay on after. A
+    conversation whose first exchange alone is held out is skipped with a reason a user can act on."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from selfdraft.splits import is_heldout, opens_heldout
+    from selfdraft.target import resolve_target_path
+    from selfdraft.training.dataset import build_dataset, without_bars
+
+    tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
+    turns = [["q", "a"], ["more", "b"]]
+    records = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": r, "content": f"{t} {i}"}
+                for pair in turns
+                for r, t in zip(("user", "assistant"), pair, strict=True)
+            ],
+        }
+        for i in range(80)
+    ]
+    opening = [r for r in records if opens_heldout(r, 0.2) and not is_heldout(r, 0.2)]
+    assert opening
+    datasets.enable_progress_bars()
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="selfdraft.training.dataset"):
+        train, held = build_dataset([records], tok, 64, 0, 0.2, tmp_path / "run", work_dir=tmp_path / "w")
+        with without_bars():
+            train.save_to_disk(str(tmp_path / "train"))
+    bars = capfd.readouterr().err
+    assert "render" in bars and "Filter" not in bars and "Flattening" not in bars and "Saving" not in bars
+    assert datasets.is_progress_bar_enabled()
+    (line,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert line == (
+        f"skipped {len(opening)} records: their first exchange alone is in the held-out split; "
+        "training on it would leak held-out text"
+    )
