@@ -92,13 +92,15 @@ def check_destination(
     owned: Sequence[str] = HEADS_FOLDER_NAMES,
     option: str = "--dest",
     is_file: bool = False,
+    creates_folder: bool = False,
 ) -> Path:
     """Check `dest` before any work; return it resolved. Refused (UserError, naming the fix) when it is
     or lies inside a source, exists and is not empty (unless `overwrite`), is the wrong kind (a file
     where a folder goes, or the reverse), or cannot be written. A file destination's folder must exist
     (a typo in it should not create folders); a folder destination's missing parents are created later.
 
-    sources: the command's inputs (files or folders); owned: the names an overwrite may replace."""
+    sources: the command's inputs (files or folders); owned: the names an overwrite may replace;
+    creates_folder: the command creates a file destination's missing folders itself."""
     path = _resolved(dest)
     for source in sources:
         src = _resolved(source)
@@ -111,11 +113,14 @@ def check_destination(
     if is_file:
         if path.is_dir():
             raise UserError(f"{option} {dest} is a folder; name a file to write")
-        if not path.parent.is_dir():
-            raise UserError(f"{option} {dest}: the folder {path.parent} does not exist; create it first")
         if path.exists() and path.stat().st_size > 0 and not overwrite:
             raise UserError(f"{option} {dest} exists; choose a new file, or pass --overwrite to replace it")
-        check_writable(path.parent, option)
+        if path.parent.is_dir():
+            check_writable(path.parent, option)
+        elif creates_folder:
+            _writable_ancestor(path.parent, option)
+        else:
+            raise UserError(f"{option} {dest}: the folder {path.parent} does not exist; create it first")
         return path
     if path.exists() and not path.is_dir():
         raise UserError(f"{option} {dest} is a file; name a folder to write")

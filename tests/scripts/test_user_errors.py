@@ -348,6 +348,11 @@ def case_bench_empty_prompts_file(tmp_path):
     return ["bench", "--prompts", str(empty), "--methods", "baseline"], ["holds no prompts", "at least one"]
 
 
+def case_distill_out_is_its_source(tmp_path):
+    chats = _prompts(tmp_path, '{"id": "c0", "messages": [{"role": "user", "content": "hi"}]}\n')
+    return ["distill", "--source", str(chats), "--out", str(chats)], ["--out", "is the input"]
+
+
 def case_tune_unknown_prompt_set(tmp_path):
     return ["tune", "--heads", str(tmp_path), "--prompts", "nope"], [
         "unknown prompt set 'nope'",
@@ -468,6 +473,8 @@ def test_read_only_destinations_are_named_before_any_work(tmp_path, read_only_fo
         _publish(run, config, read_only_folder / "card"),
         ["export", "--to", "vllm", str(run / "heads"), str(read_only_folder / "vllm")],
         ["generate", "--prompts-file", str(prompts), "--out", str(read_only_folder / "a.jsonl")],
+        ["distill", "--source", str(prompts), "--out", str(read_only_folder / "new" / "d.jsonl")],
+        ["bench", "--prompts", str(prompts), "--output-dir", str(read_only_folder / "bench")],
     ):
         code = cli.main(argv)
         err = capsys.readouterr().err.strip()
