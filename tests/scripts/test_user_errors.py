@@ -562,6 +562,7 @@ def test_prompt_rows_read_chat_flags_exactly(tmp_path):
             read_prompt_rows(path)
 
 
+@pytest.mark.slow  # the second command loads the embedded real target
 def test_ctrl_c_is_one_line_and_leaves_the_prompts(tmp_path):
     """A real SIGINT: while the command's imports run, and during generation (prompts file and --out
     untouched, no temporary left)."""
