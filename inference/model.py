@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -88,8 +89,15 @@ def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | 
 
 
 def _is_whole(value) -> bool:
-    """An int (Python or numpy/torch integer scalar), not a bool: True would silently mean 1."""
-    return not isinstance(value, bool) and hasattr(value, "__index__")
+    """An int (Python or numpy/torch integer scalar), not a bool (True would silently mean 1) nor a
+    float (2.5 would silently mean 2)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def check_budget(max_new_tokens) -> int:
@@ -104,13 +112,12 @@ def check_budget(max_new_tokens) -> int:
 def check_stop_ids(stop_token_ids, vocab_size: int) -> list[int]:
     """stop_token_ids as a list of ids inside the vocabulary; one id, floats, negative or out-of-vocabulary
     ids are refused (they could never match, so generation would silently run on)."""
-    if _is_whole(stop_token_ids) or isinstance(stop_token_ids, str | bytes) or not hasattr(
-        stop_token_ids, "__iter__"
-    ):
+    given = stop_token_ids.tolist() if isinstance(stop_token_ids, torch.Tensor) else stop_token_ids
+    if isinstance(given, str | bytes | dict) or not hasattr(given, "__iter__"):
         raise UserError(
-            f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}; pass e.g. [{stop_token_ids!r}]"
+            f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}; pass e.g. [{given!r}]"
         )
-    ids = list(stop_token_ids.tolist() if isinstance(stop_token_ids, torch.Tensor) else stop_token_ids)
+    ids = list(given)
     bad = [t for t in ids if not _is_whole(t) or not 0 <= int(t) < vocab_size]
     if bad:
         raise UserError(

@@ -522,6 +522,7 @@ def test_api_arguments_of_the_wrong_type_are_refused_not_guessed():
         ({"max_new_tokens": "8"}, "max_new_tokens must be a whole number"),
         ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number"),
         ({"max_new_tokens": True}, "max_new_tokens must be a whole number"),
+        ({"max_new_tokens": torch.tensor(2.5)}, "max_new_tokens must be a whole number"),
         ({"temperature": "0.7"}, "temperature must be a number"),
         ({"top_p": "0.9", "temperature": 1.0}, "top_p must be a number"),
         ({"stop_token_ids": 2}, "stop_token_ids must be a list"),
@@ -540,6 +541,7 @@ def test_api_arguments_of_the_wrong_type_are_refused_not_guessed():
         model.chat_ids(None)
     # what is right still works: numpy-like integer scalars, a tuple of stop ids
     assert len(model.generate(prompt, torch.tensor(3), stop_token_ids=(95,)).tokens) <= 3
+    assert len(model.generate(prompt, 3, stop_token_ids=torch.tensor([95])).tokens) <= 3
 
 
 def test_heads_path_that_is_a_file_is_named_as_such(tmp_path):
