@@ -46,13 +46,28 @@ def humaneval(limit: int) -> list[Prompt]:
     return [Prompt(r["task_id"], r["prompt"], chat=False) for r in rows[:limit]]
 
 
+def _prompt_lines(path: Path) -> list[str]:
+    """The lines of a prompts file; a folder, a missing file or bytes that are not UTF-8 are refused."""
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; pass a JSONL file of prompts (one JSON object per line)")
+    if not path.is_file():
+        raise MissingFileError(f"{path} does not exist; pass a JSONL file of prompts")
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}:{line}: byte 0x{data[err.start]:02x} is not UTF-8 ({err.reason}); save the file as UTF-8"
+        ) from err
+
+
 def read_prompt_rows(path: str | Path) -> list[dict]:
     """Rows {"line" (1-based), "id" (None when absent), "prompt", "chat" (default true)} of a JSONL file
-    of prompts; a missing file, a line that is not JSON or a row without a "prompt" string is refused."""
-    if not Path(path).is_file():
-        raise MissingFileError(f"{path} does not exist; pass a JSONL file of prompts")
+    of prompts; a missing file, a line that is not JSON, a row without a "prompt" string or with a
+    "chat" that is not true/false is refused."""
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(_prompt_lines(Path(path)), start=1):
         if not line.strip():
             continue
         try:
@@ -61,7 +76,10 @@ def read_prompt_rows(path: str | Path) -> list[dict]:
             raise UserError(f"{path}:{n}: not JSON ({err.msg}); write one JSON object per line") from err
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise UserError(f'{path}:{n}: each row needs a "prompt" string (and optional "id", "chat")')
-        rows.append({"line": n, "id": row.get("id"), "prompt": row["prompt"], "chat": bool(row.get("chat", True))})
+        chat = row.get("chat", True)
+        if not isinstance(chat, bool):  # "no" would read as true
+            raise UserError(f'{path}:{n}: "chat" must be true or false (JSON booleans), got {chat!r}')
+        rows.append({"line": n, "id": row.get("id"), "prompt": row["prompt"], "chat": chat})
     return rows
 
 
@@ -71,13 +89,22 @@ def user_jsonl(path: str, limit: int) -> list[Prompt]:
     return [Prompt(i, r["prompt"], r["chat"]) for i, r in zip(ids, rows, strict=True)][:limit]
 
 
+PROMPT_SETS = "sharegpt:N, humaneval:N or a file.jsonl[:N], optionally followed by :skip=K"
+
+
+def _count(spec: str, text: str, what: str) -> int:
+    if not text.isdigit():
+        raise UserError(f"prompt set {spec!r}: {what} {text!r} is not a whole number; use {PROMPT_SETS}")
+    return int(text)
+
+
 def load_prompt_set(spec: str) -> list[Prompt]:
     """`sharegpt:N`, `humaneval:N`, `path/to/file.jsonl[:N]`; append `:skip=K` to drop the first K
-    (e.g. tune on prompts a benchmark does not use)."""
+    (e.g. tune on prompts a benchmark does not use). A set that names no prompts is refused."""
     parts = spec.split(":")
     skip = 0
     if parts[-1].startswith("skip="):
-        skip = int(parts.pop()[5:])
+        skip = _count(spec, parts.pop()[5:], "skip")
     limit = int(parts.pop()) if len(parts) > 1 and parts[-1].isdigit() else 10**9
     name = ":".join(parts)
     if name == "sharegpt":
@@ -87,5 +114,10 @@ def load_prompt_set(spec: str) -> list[Prompt]:
     elif name.endswith(".jsonl"):
         prompts = user_jsonl(name, limit + skip)
     else:
-        raise ValueError(f"unknown prompt set {spec!r}: use sharegpt:N, humaneval:N or a .jsonl file")
+        raise UserError(f"unknown prompt set {spec!r}; use {PROMPT_SETS}")
+    if not prompts[skip:]:
+        raise UserError(
+            f"prompt set {spec!r} holds no prompts ({len(prompts)} before skip={skip}); "
+            "name a set with at least one prompt"
+        )
     return prompts[skip:]

@@ -163,9 +163,10 @@ def tree_text(model: SelfDraftModel, temperatures: Sequence[float]) -> str:
 
 def run_bench(config: BenchConfig) -> dict:
     torch.set_num_threads(config.threads)
-    runner = Runner(config)
+    # the prompt sets first: a bad or empty one is refused before any model loads
     prompts = [p for spec in config.prompts for p in load_prompt_set(spec)]
     sets = {spec: [p.id for p in load_prompt_set(spec)] for spec in config.prompts}
+    runner = Runner(config)
     warm = runner.ids(Prompt("warmup", "Hello!", True))
     for m in runner.methods:  # warm-up: one short run of every method, not measured
         runner.run(m, warm, 0.0, config.seed, max_new_tokens=min(16, config.max_new_tokens))

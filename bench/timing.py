@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -128,12 +129,23 @@ def run_speculative(
 
 
 def compare(
-    model: SelfDraftModel, input_ids: torch.Tensor, max_new_tokens: int, repeats: int = 1, streamer=None
+    model: SelfDraftModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    repeats: int = 1,
+    streamer=None,
+    progress: Callable[[int, str], None] | None = None,
 ) -> Comparison:
-    """Greedy baseline and speculative decoding of one prompt, interleaved `repeats` times."""
+    """Greedy baseline and speculative decoding of one prompt, interleaved `repeats` times.
+    progress(r, method) is called before each run ("baseline" / "speculative", r from 0); the
+    speculative run of repeat 0 streams to `streamer`."""
     result = Comparison()
     for r in range(repeats):
+        if progress is not None:
+            progress(r, "baseline")
         result.baseline.append(run_baseline(model, input_ids, max_new_tokens))
+        if progress is not None:
+            progress(r, "speculative")
         timed, out = run_speculative(model, input_ids, max_new_tokens, streamer=streamer if r == 0 else None)
         result.speculative.append(timed)
         result.outputs.append(out)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from selfdraft.errors import MissingFileError
+from selfdraft.errors import MissingFileError, UserError
 from selfdraft.heads.folder import Heads, is_selfdraft_folder, load_own_heads
 from selfdraft.heads.foreign.convert import load_foreign_heads
 
@@ -21,6 +21,11 @@ def load_heads(
     converted in memory (`selfdraft.heads.foreign.convert`); our own format is the fast path.
     """
     directory = Path(directory)
+    if directory.is_file():
+        raise UserError(
+            f"heads checkpoint {directory} is a file; pass the folder that holds it (config.json + "
+            f"model.safetensors), e.g. {directory.parent}"
+        )
     if not directory.is_dir():
         raise MissingFileError(f"heads checkpoint folder {directory} does not exist; pass a folder with config.json")
     if is_selfdraft_folder(directory):

@@ -44,6 +44,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise UserError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise UserError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):

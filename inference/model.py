@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -87,10 +88,55 @@ def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | 
     return None
 
 
+def _is_whole(value) -> bool:
+    """An int (Python or numpy/torch integer scalar), not a bool (True would silently mean 1) nor a
+    float (2.5 would silently mean 2)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_budget(max_new_tokens) -> int:
+    if not _is_whole(max_new_tokens):
+        raise UserError(
+            f"max_new_tokens must be a whole number of tokens, got {max_new_tokens!r} "
+            f"({type(max_new_tokens).__name__}); pass e.g. max_new_tokens=64"
+        )
+    return int(max_new_tokens)
+
+
+def check_stop_ids(stop_token_ids, vocab_size: int) -> list[int]:
+    """stop_token_ids as a list of ids inside the vocabulary; one id, floats, negative or out-of-vocabulary
+    ids are refused (they could never match, so generation would silently run on)."""
+    given = stop_token_ids.tolist() if isinstance(stop_token_ids, torch.Tensor) else stop_token_ids
+    if isinstance(given, str | bytes | dict) or not hasattr(given, "__iter__"):
+        raise UserError(
+            f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}; pass e.g. [{given!r}]"
+        )
+    ids = list(given)
+    bad = [t for t in ids if not _is_whole(t) or not 0 <= int(t) < vocab_size]
+    if bad:
+        raise UserError(
+            f"stop_token_ids holds {bad[0]!r}, not a token id of this target (0..{vocab_size - 1}); "
+            "pass ids from its tokenizer, e.g. tokenizer.eos_token_id"
+        )
+    return [int(t) for t in ids]
+
+
 def _as_prompt_ids(input_ids, device, vocab_size: int) -> torch.Tensor:
     if isinstance(input_ids, str | bytes):
         raise UserError("generate takes token ids, not text; encode it first, e.g. model.chat_ids(text)")
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    given = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids)
+    # an empty list reads as float32; it is refused below as empty
+    if given.numel() and (given.is_floating_point() or given.is_complex() or given.dtype == torch.bool):
+        raise UserError(
+            f"input_ids are {given.dtype}, not integer token ids; pass the tokenizer's ids (torch.long)"
+        )
+    ids = torch.as_tensor(given, dtype=torch.long, device=device)
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -111,6 +157,8 @@ def _as_prompt_ids(input_ids, device, vocab_size: int) -> torch.Tensor:
 
 def prompt_text(prompt: str | bytes) -> str:
     """The prompt as text: bytes are decoded as UTF-8; text that cannot be UTF-8 is refused."""
+    if not isinstance(prompt, str | bytes):
+        raise UserError(f"the prompt must be text (str) or UTF-8 bytes, got {type(prompt).__name__} {prompt!r}")
     try:
         text = prompt.decode("utf-8") if isinstance(prompt, bytes) else str(prompt)
         text.encode("utf-8")
@@ -275,8 +323,9 @@ class SelfDraftModel:
             spec = tree_for_batch(self.batch_trees, len(input_ids), self.tree)
         else:
             spec = self.tree
-        stops = self.default_stop_ids() if stop_token_ids is None else stop_token_ids
         vocab = self.target.get_input_embeddings().num_embeddings
+        max_new_tokens = check_budget(max_new_tokens)
+        stops = self.default_stop_ids() if stop_token_ids is None else check_stop_ids(stop_token_ids, vocab)
         if is_batch(input_ids):
             if streamer is not None:
                 raise UserError("streamer= works with one prompt only; generate a batch without it")

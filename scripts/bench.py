@@ -63,8 +63,12 @@ def load_bench_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.report import write_report
     from selfdraft.bench.run import run_bench
+    from selfdraft.destinations import check_destination
 
     config = load_bench_config(args)
+    # its report files are rewritten, the folder's other files stay: only a folder that cannot be
+    # written is refused, before minutes of benchmarking
+    check_destination(config.output_dir, overwrite=True, option="--output-dir")
     report = run_bench(config)
     paths = write_report(report, config.output_dir)
     print(paths["markdown"].read_text())

@@ -43,7 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand. A `UserError` prints one line (`selfdraft CMD: problem; fix`) and exits 2;
     `--debug` shows its traceback instead. Any other exception is a bug and keeps its traceback."""
-    args = build_parser().parse_args(argv)
+    try:  # building the parser imports every command (torch, transformers): seconds to Ctrl-C in
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            raise
+        print("selfdraft: interrupted", file=sys.stderr)
+        return 130
     try:
         return int(import_module(args._module).run(args) or 0)
     except UserError as err:

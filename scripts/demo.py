@@ -63,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
         ids = model.prompt_ids(prompt, chat=not code)
         print(f">>> {prompt}")
         streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        result = compare(model, ids, args.max_new_tokens, repeats=args.repeats, streamer=streamer)
+        progress = TimingProgress(args.repeats, sys.stderr)
+        result = compare(
+            model, ids, args.max_new_tokens, repeats=args.repeats, streamer=streamer, progress=progress
+        )
+        progress.done()
         identical += result.identical
         speedups.append(result.speedup)
         print(
@@ -94,6 +98,32 @@ def run(args: argparse.Namespace) -> int:
     return 1 if unexplained else 0
 
 
+class TimingProgress:
+    """What the demo is timing, on stderr, so the repeats after the streamed answer are never silent:
+    one line overwritten in place in a terminal, one line per run elsewhere (logs)."""
+
+    def __init__(self, repeats: int, stream) -> None:
+        self.repeats = repeats
+        self.stream = stream
+        self.live = stream.isatty()
+        self.shown = False
+
+    def __call__(self, r: int, method: str) -> None:
+        self.done()
+        if r == 0 and method == "speculative":
+            return  # this run streams its answer: that is the progress
+        what = "target's own generate" if method == "baseline" else "speculative decoding"
+        line = f"[timing {r + 1}/{self.repeats}: {what}...]"
+        print(line, end="" if self.live else "\n", file=self.stream, flush=True)
+        self.shown = self.live
+
+    def done(self) -> None:
+        """Clear the live line before other output."""
+        if self.shown:
+            print("\r\033[K", end="", file=self.stream, flush=True)
+            self.shown = False
+
+
 def _explain_divergence(model, ids, result, reference) -> bool:
     """Print where the speculative text parts from plain decoding; True when it is a near-tie."""
     found = first_divergence(
@@ -110,9 +140,11 @@ def _explain_divergence(model, ids, result, reference) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args())
+    """`python -m selfdraft.scripts.demo` (`make demo`): the `selfdraft demo` command, so a user error
+    or Ctrl-C prints one line, not a traceback."""
+    from selfdraft.scripts.cli import main as cli_main
+
+    return cli_main(["demo", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.corpora import load_source
+    from selfdraft.destinations import check_destination
     from selfdraft.target import load_target
     from selfdraft.training.config import resolve_precision
     from selfdraft.training.distill import regenerate_assistant_turns
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"--heldout-fraction {args.heldout_fraction} is outside [0, 1): pass the runs' value, e.g. 0.02"
         )
+    # --out is appended to (a rerun resumes), so an existing file is fine; the source never is
+    check_destination(args.out, [args.source], overwrite=True, option="--out", is_file=True, creates_folder=True)
     device = resolve_device(args.device)
     dtype = resolve_precision(args.precision, device)
     if args.generator == "selfdraft":

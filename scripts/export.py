@@ -12,12 +12,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="selfdraft heads folder (config.json + model.safetensors)")
     parser.add_argument("dst", help="output folder")
     parser.add_argument("--verifier", default=None, help="target name or path written into vLLM's config")
+    parser.add_argument("--overwrite", action="store_true", help="replace config.json and weights in a non-empty dst")
     parser.add_argument("--speculative-tokens", type=int, default=None, help="vLLM's default draft length")
 
 
 def run(args: argparse.Namespace) -> int:
+    from selfdraft.destinations import ENGINE_FOLDER_NAMES, check_destination, staged_folder
     from selfdraft.heads.foreign.export import export_heads
 
-    out = export_heads(args.src, args.dst, args.engine, args.verifier, args.speculative_tokens)
-    print(f"exported {args.src} -> {out} for {args.engine}")
+    owned = {"owned": ENGINE_FOLDER_NAMES, "option": "dst"}
+    check_destination(args.dst, [args.src], overwrite=args.overwrite, **owned)
+    with staged_folder(args.dst, **owned) as tmp:  # the dst is replaced only once the export is whole
+        export_heads(args.src, tmp, args.engine, args.verifier, args.speculative_tokens)
+    print(f"exported {args.src} -> {args.dst} for {args.engine}")
     return 0

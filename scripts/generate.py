@@ -7,10 +7,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from transformers import TextStreamer
 
+from selfdraft.destinations import check_destination, staged_file
 from selfdraft.inference.model import SHIPPED
 from selfdraft.scripts.options import add_precision_arguments
 
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size (one shared target pass per step); needs --out. With --seed S, line i uses seed S + i",
     )
     parser.add_argument("--out", default=None, help="JSONL output of --prompts-file: id, text, tokens, stats")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per batched generate call")
     parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -65,13 +66,16 @@ def check_file_arguments(args: argparse.Namespace) -> list[dict]:
         raise UserError("--prompts-file needs --out FILE.jsonl for the answers")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    return read_prompts_file(args.prompts_file)
+    rows = read_prompts_file(args.prompts_file)
+    check_destination(args.out, [args.prompts_file], overwrite=args.overwrite, option="--out", is_file=True)
+    return rows
 
 
 def run_file(args: argparse.Namespace, model, rows: list[dict]) -> int:
-    """Generate every prompt of --prompts-file in batches of --batch-size; write --out as JSONL."""
+    """Generate every prompt of --prompts-file in batches of --batch-size; write --out as JSONL (in a
+    temporary file renamed at the end: an interrupted run leaves --out as it was)."""
     total, start = 0, time.perf_counter()
-    with Path(args.out).open("w") as fh:
+    with staged_file(args.out, option="--out") as fh:
         for first in range(0, len(rows), args.batch_size):
             batch = rows[first : first + args.batch_size]
             ids = [model.prompt_ids(r["prompt"], r["chat"])[0] for r in batch]

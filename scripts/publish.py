@@ -14,7 +14,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", required=True, help="the run config used to train")
     parser.add_argument("--dest", required=True, help="folder to write, e.g. checkpoints/<target>-<kind>")
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target the card names (base_model); default: the run config's target. Only a run "
+        "trained on a local folder may name it differently (its hub id)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the heads-folder files (config, weights, card, tree, stages) of a non-empty --dest; "
+        "other files there stay",
+    )
     parser.add_argument(
         "--earlier",
         nargs=2,
@@ -69,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype),
         tokens=tokens,
         earlier=[tuple(pair) for pair in args.earlier],
+        overwrite=args.overwrite,
     )
     print(f"wrote {dest}")
     if args.push_to:

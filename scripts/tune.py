@@ -63,10 +63,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--batch {args.batch}: pass a batch size >= 1")
     if args.batch > 1 and args.temperature > 0:
         raise UserError("--batch tunes the greedy batch tree; drop --temperature (or --batch)")
+    texts = load_prompt_set(args.prompts)  # a bad prompt set is refused before the model loads
     model = SelfDraftModel.from_pretrained(
         args.target, heads=args.heads, tree="chain-1", dtype=args.dtype, draft_dtype=args.draft_dtype
     )
-    prompts = [model.prompt_ids(p.text, p.chat) for p in load_prompt_set(args.prompts)]
+    prompts = [model.prompt_ids(p.text, p.chat) for p in texts]
     candidates = args.candidates or CANDIDATES
     if args.max_tree_tokens is not None:
         candidates = [c for c in candidates if resolve_tree(c).max_tokens <= args.max_tree_tokens]

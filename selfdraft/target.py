@@ -125,10 +125,30 @@ def _dequantize_embedded(model: EmbeddedModel, dest: Path) -> None:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(quantized.state_dict())
         out_dir = tmp_path / "out"
-        plain.save_pretrained(out_dir)
+        save_plain(plain, out_dir)
         tokenizer.save_pretrained(out_dir)
         (out_dir / "SOURCE").write_text(f"{model.name}\nsha256 {model.sha256}\n")
         _move_into_place(out_dir, dest)
+
+
+def save_plain(model: PreTrainedModel, out_dir: Path) -> None:
+    """config.json, generation_config.json and model.safetensors, as `save_pretrained` writes them for a
+    model on one device: a tensor that shares its storage with an earlier one (tied embeddings) is
+    written once, under its first name. Not `save_pretrained` itself: through accelerate it imports
+    DeepSpeed when installed, which prints "Setting accelerator to CPU" in commands that never train."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            state[name] = tensor.detach().contiguous()
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _move_into_place(out_dir: Path, dest: Path) -> None:
@@ -142,15 +162,58 @@ def _move_into_place(out_dir: Path, dest: Path) -> None:
             raise
 
 
+def _check_cache(dest: Path) -> None:
+    """The cache must be a folder this process can write before a conversion starts (minutes)."""
+    folder = dest.parent
+    hint = f"point ${CACHE_ENV} at a writable folder (it is now {os.environ.get(CACHE_ENV) or 'unset'})"
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise UserError(f"the target cache {folder} cannot be created: {above} is a file; {hint}")
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                tempfile.TemporaryDirectory(dir=folder).cleanup()
+            except OSError as err:
+                raise UserError(f"cannot write the target cache {folder} ({err.strerror}); {hint}") from err
+            return
+
+
 def resolve_target_path(name_or_path: str) -> str:
     """Embedded name -> cached safetensors folder (created on first use); anything else unchanged."""
     key = name_or_path.lower()
     if key in EMBEDDED:
         dest = cache_dir() / key
         if not (dest / "config.json").is_file():
+            _check_cache(dest)
             _dequantize_embedded(EMBEDDED[key], dest)
         return str(dest)
     return name_or_path
+
+
+# What a model folder needs besides config.json; a folder missing them is refused before any weights load.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.gguf", "*.pt", "tf_model.h5", "flax_model.msgpack")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "*.tiktoken")
+HEADS_MODEL_TYPE = "selfdraft_heads"  # HeadsConfig.model_type (heads sit above this module)
+
+
+def check_target_folder(path: Path, name: str) -> None:
+    """A local target folder: not a heads folder, and holding a config, weights and a tokenizer."""
+    config = path / "config.json"
+    if config.is_file() and f'"{HEADS_MODEL_TYPE}"' in config.read_text(errors="replace"):
+        raise UserError(
+            f"target {name!r} is a folder of draft heads, not a model; pass it as --heads (heads=) and "
+            "name the model the heads were trained for as the target"
+        )
+    missing = [
+        what
+        for what, patterns in (("weights (model.safetensors)", WEIGHT_FILES), ("tokenizer", TOKENIZER_FILES))
+        if not any(next(path.glob(p), None) for p in patterns)
+    ]
+    if config.is_file() and missing:
+        raise UserError(
+            f"target folder {name!r} has no {' and no '.join(missing)}; save the whole model into it "
+            "(model.save_pretrained and tokenizer.save_pretrained), or pass the model's hub id"
+        )
 
 
 def _check_architecture(model: PreTrainedModel) -> None:
@@ -189,6 +252,8 @@ def load_target(
     path = resolve_target_path(name_or_path)
     if (Path(path) / "adapter_config.json").is_file():
         return _load_peft_target(path, attn_implementation, dtype, device, **hf_kwargs)
+    if Path(path).is_dir() and "gguf_file" not in hf_kwargs:
+        check_target_folder(Path(path), name_or_path)
     try:
         config = AutoConfig.from_pretrained(path, **hf_kwargs)
     except OSError as err:  # neither a folder with a config.json nor a hub id that can be reached

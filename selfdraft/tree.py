@@ -461,8 +461,10 @@ class LookupTree:
 
     @property
     def max_depth(self) -> int:
-        # the root's branch is the looked-up continuation itself; the extension hangs below the heads'
-        return max(self.base.max_depth + self.lookup.extend, self.lookup.tokens)
+        # The root's branch (up to lookup.tokens deep) may follow the heads' whole first-choice path and
+        # run past its leaf: its new nodes take rank 0 there, so the first-choice path then ends at the
+        # branch's end, and the extension hangs below whichever of the two is deeper.
+        return max(self.base.max_depth, self.lookup.tokens) + self.lookup.extend
 
     @property
     def draft_depth(self) -> int:

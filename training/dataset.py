@@ -11,7 +11,8 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -115,7 +116,8 @@ def _render_batch(batch: dict, tokenizer, max_length: int, heldout_fraction: flo
     for record, rows in zip(records, render_records(tokenizer, records, max_length), strict=True):
         held = is_heldout(record, heldout_fraction)
         if not held and opens_heldout(record, heldout_fraction):
-            rows = "its first exchange is held out on its own (a self-distilled copy's split)"
+            # (a one-turn copy of the conversation, e.g. a self-distilled one, would be held out)
+            rows = "their first exchange alone is in the held-out split; training on it would leak held-out text"
         skipped = isinstance(rows, str)
         # the first token is never a label, so a row needs a masked token after it
         kept = [] if skipped else [row for row in rows if any(row["loss_mask"][1:])]
@@ -140,19 +142,32 @@ def _arrow_file(work_dir: Path | None, name: str) -> str | None:
     return None if work_dir is None else str(work_dir / f"{name}.arrow")
 
 
+@contextmanager
+def without_bars() -> Iterator[None]:
+    """`datasets` progress bars off for a quick step (filters, saving), back as they were after."""
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
 def _split_rows(
     rendered: datasets.Dataset, heldout: bool, num_proc: int, work_dir: Path | None
 ) -> datasets.Dataset:
     """The token rows of one side of the split, in record order."""
     name = "heldout" if heldout else "train"
-    side = rendered.filter(
-        lambda flags: [flag == heldout for flag in flags],
-        input_columns="heldout",
-        batched=True,
-        cache_file_name=_arrow_file(work_dir, f"{name}-records"),
-        load_from_cache_file=False,
-        new_fingerprint=f"{name}-records",
-    )
+    with without_bars():  # a quick flag filter: its bar only adds noise to the render's
+        side = rendered.filter(
+            lambda flags: [flag == heldout for flag in flags],
+            input_columns="heldout",
+            batched=True,
+            cache_file_name=_arrow_file(work_dir, f"{name}-records"),
+            load_from_cache_file=False,
+            new_fingerprint=f"{name}-records",
+        )
     if len(side) == 0:  # `map` of an empty table would drop the columns along with the inputs
         return rows_to_dataset([])
     return side.map(
@@ -242,7 +257,8 @@ def build_dataset(
     tmp.replace(run_dir / HELDOUT_FILE)  # atomic: a reader never sees a half-written id list
     train = _split_rows(rendered, False, procs, work)
     train = train.shuffle(seed=seed, indices_cache_file_name=_arrow_file(work, "train-order"))
-    train = train.flatten_indices(cache_file_name=_arrow_file(work, "train-shuffled"))
+    with without_bars():
+        train = train.flatten_indices(cache_file_name=_arrow_file(work, "train-shuffled"))
     if train_tokens is not None:  # after flattening, the table's row order is the shuffled order
         lengths = pc.list_value_length(train.data.column("input_ids")).to_pylist()
         train = train.select(range(rows_within(lengths, train_tokens)))  # a contiguous slice, no copy

@@ -15,7 +15,7 @@ import datasets
 from selfdraft.errors import UserError
 from selfdraft.training import locks
 from selfdraft.training.config import RunConfig
-from selfdraft.training.dataset import build_dataset, rows_to_dataset
+from selfdraft.training.dataset import build_dataset, rows_to_dataset, without_bars
 from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
 
 DATA_DIR = "data"
@@ -97,8 +97,9 @@ def prepare_splits(
             cut_repeats=config.data.cut_repeats,
             train_tokens=config.data.train_tokens,
         )
-        train.save_to_disk(str(tmp / "train"))
-        heldout.save_to_disk(str(tmp / "heldout"))
+        with without_bars():  # the render's bars showed the work; saving is quick
+            train.save_to_disk(str(tmp / "train"))
+            heldout.save_to_disk(str(tmp / "heldout"))
         del train, heldout  # they read from work/, deleted next
         shutil.rmtree(tmp / "work")
         (tmp / SPLIT_FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))

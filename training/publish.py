@@ -20,6 +20,7 @@ import yaml
 
 from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
+from selfdraft.destinations import check_destination, staged_folder
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
@@ -343,12 +344,36 @@ def check_card_size(card: str) -> None:
         )
 
 
+def card_target(config_path: str | Path, target: str | None) -> str:
+    """The target the card names: the run config's own `target` (what the heads were trained on).
+    `target` may only name it differently when the run trained on a local folder (a card's base_model
+    is a hub id, which a path is not); any other disagreement is refused."""
+    from selfdraft.target import EMBEDDED
+    from selfdraft.training.config import load_run_config
+
+    trained = load_run_config(config_path).target
+    local = trained.lower() not in EMBEDDED and Path(trained).exists()
+    if target is None or target == trained:
+        if local:
+            raise UserError(
+                f"the run trained on the local folder {trained!r} ({config_path}), which a model card "
+                "cannot name as base_model; pass --target HUB_ID, the hub id of that model"
+            )
+        return trained
+    if not local:
+        raise UserError(
+            f"--target {target!r} is not the target the run trained on ({trained!r} in {config_path}); "
+            "drop --target, the card names the run's own target"
+        )
+    return target
+
+
 def publish(
     run_dir: str | Path,
     dest: str | Path,
     *,
-    target: str,
     config_path: str | Path,
+    target: str | None = None,
     benches: Sequence[tuple[str | Path, str]] = (),
     selection_benches: Sequence[tuple[str | Path, str]] = (),
     tree_file: str | Path | None = None,
@@ -357,17 +382,27 @@ def publish(
     tokens: int | None = None,
     repo_path: str | None = None,
     earlier: Sequence[tuple[str | Path, str | Path]] = (),
+    overwrite: bool = False,
 ) -> Path:
     """Write `dest` (the files of `FOLDER_FILES`) from the run `run_dir` trained with `config_path`.
 
+    target: None (the run config's target) or, for a run on a local folder, the hub id the card names.
     earlier: (run_dir, config_path) of the stages the run continued from (`heads.init_from`), oldest
     first; the card sums them with this run, and the folder keeps only this run's config.
     benches: (bench.json, the command that wrote it) for each benchmark the card reports.
     selection_benches: the same for benchmarks whose prompts chose these heads or their tree; the card
     gives their tau and identity, never their speedups, ahead of the report benches.
     A card over `CARD_LIMIT` bytes is refused before anything is written.
+    overwrite: replace a non-empty `dest`'s heads-folder files (refused without it; see
+    `selfdraft.destinations`). `dest` may be the init_from folder (re-publishing a checkpoint), never
+    a source such as the run folder.
     """
     run_dir, dest = Path(run_dir), Path(dest)
+    sources = [run_dir, config_path, *(p for p, _ in benches), *(p for p, _ in selection_benches)]
+    sources += [*(r for r, _ in earlier), *(c for _, c in earlier)]
+    sources += [tree_file] if tree_file else []
+    check_destination(dest, sources, overwrite=overwrite)
+    target = card_target(config_path, target)
     heads = load_heads(run_dir / "heads")
     stages = [read_stage(r, c) for r, c in earlier]
     stages.append(read_stage(run_dir, config_path, train_command))
@@ -383,16 +418,12 @@ def publish(
         layout=heads.config.eagle_layout,
     )
     check_card_size(card)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_heads(heads, tmp, dtype=dtype)
-    (tmp / RUN_CONFIG_NAME).write_text(stages[-1].config_text)
-    if tree_file:
-        shutil.copy(tree_file, tmp / "tree.yaml")
-    (tmp / "README.md").write_text(card)
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    with staged_folder(dest) as tmp:
+        save_heads(heads, tmp, dtype=dtype)
+        (tmp / RUN_CONFIG_NAME).write_text(stages[-1].config_text)
+        if tree_file:
+            shutil.copy(tree_file, tmp / "tree.yaml")
+        (tmp / "README.md").write_text(card)
     return dest
 
 

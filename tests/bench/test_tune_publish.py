@@ -249,7 +249,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(run, model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
-    config.write_text("target: x\ndata:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n")
+    config.write_text("target: smollm2-135m-instruct\ndata:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n")
     bench = tmp_path / "bench.json"
     bench.write_text(
         json.dumps(
@@ -346,7 +346,7 @@ def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_ta
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
-    config.write_text("target: x\n")
+    config.write_text("target: smollm2-135m-instruct\n")
 
     def bench(name: str, tau: float, tok_s: float, speedup: float, dtype: str) -> Path:
         row = {"prompts": "sharegpt:4", "temperature": 0.0, "identical_to_baseline": True}
@@ -391,8 +391,10 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     _fake_run(tmp_path / "stage2", model, steps=7, examples=30, seconds=180.0)
     first, second = tmp_path / "one.yaml", tmp_path / "two.yaml"
-    first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
-    second.write_text("target: x\nheads:\n  init_from: stage1/heads\ntrain:\n  micro_batch_size: 3\n")
+    first.write_text("target: smollm2-135m-instruct\ntrain:\n  micro_batch_size: 2\n")
+    second.write_text(
+        "target: smollm2-135m-instruct\nheads:\n  init_from: stage1/heads\ntrain:\n  micro_batch_size: 3\n"
+    )
     tree = tmp_path / "tree.yaml"
     write_tree_file(tree, resolve_tree("chain-2"))
     dest = publish(
@@ -430,7 +432,7 @@ def test_publish_counts_a_stopped_run(tmp_path, tiny_target_dir):
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     first = tmp_path / "one.yaml"
-    first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
+    first.write_text("target: smollm2-135m-instruct\ntrain:\n  micro_batch_size: 2\n")
     run = tmp_path / "stage2"
     save_heads(model.heads, run / "heads")
     (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2, "precision": "bfloat16"}))
@@ -453,7 +455,8 @@ def test_publish_counts_a_stopped_run(tmp_path, tiny_target_dir):
     rows_to_dataset(rows).save_to_disk(str(run / "data" / "train"))
     second = tmp_path / "two.yaml"
     second.write_text(
-        f"target: x\nheads:\n  init_from: {tmp_path / 'stage1'}\ntrain:\n  micro_batch_size: 2\n  max_steps: 10\n"
+        f"target: smollm2-135m-instruct\nheads:\n  init_from: {tmp_path / 'stage1'}\n"
+        "train:\n  micro_batch_size: 2\n  max_steps: 10\n"
     )
     dest = publish(
         run,
@@ -488,7 +491,7 @@ def test_publish_refuses_a_card_over_the_limit_before_writing(tmp_path, tiny_tar
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "one.yaml"
-    config.write_text("target: x\n")
+    config.write_text("target: smollm2-135m-instruct\n")
     row = {"prompts": "sharegpt:4", "temperature": 0.0, "identical_to_baseline": True, "tokens_per_s": 1.0}
     summary = [{**row, "method": f"selfdraft:runs/heads-{i}", "tau": 2.0, "speedup": 1.5} for i in range(40)]
     bench = tmp_path / "bench.json"
@@ -498,4 +501,4 @@ def test_publish_refuses_a_card_over_the_limit_before_writing(tmp_path, tiny_tar
     assert len((small / "README.md").read_bytes()) <= CARD_LIMIT
     with pytest.raises(UserError, match="fewer --bench"):
         publish(tmp_path / "run", tmp_path / "big", **kwargs, benches=[(bench, "selfdraft bench")] * 3)
-    assert not (tmp_path / "big").exists() and not (tmp_path / "big.tmp").exists()
+    assert not (tmp_path / "big").exists() and not list(tmp_path.glob("*big*tmp*")) and not list(tmp_path.glob(".big*"))

@@ -66,7 +66,8 @@ def test_extension_continues_the_heads_first_choice_path():
     extended = LookupTree(TreeSpec.chain(2), PromptLookup(tokens=5, extend=2))
     spec, tokens = extended.draft(heads_proposing([6, 7]), 9, context)
     assert spec.parents == (-1, 0, 1, 2, 3) and tokens.tolist() == [9, 6, 7, 40, 41]
-    assert extended.max_depth == 5 and extended.max_tokens == 3 + 5 + 2  # the root branch is deepest
+    # the root branch (5) can run past the heads' path and carry the extension (2) below its end
+    assert extended.max_depth == 5 + 2 and extended.max_tokens == 3 + 5 + 2
     # a path the context never held is not extended, nor one whose last token alone occurred (7):
     # the key must hold at least two tokens
     for path in ([8, 3], [8, 7]):
@@ -91,7 +92,7 @@ def test_tree_syntax_and_tree_file(tmp_path):
     assert resolve_tree("small").max_tokens == resolve_tree("small").size
     assert resolve_tree("dynamic:depth=4,top_k=2,total_tokens=8+lookup").lookup == PromptLookup()
     extended = resolve_tree("chain-3+lookup=4,extend=2")
-    assert extended.lookup == PromptLookup(tokens=4, extend=2) and extended.max_depth == 5
+    assert extended.lookup == PromptLookup(tokens=4, extend=2) and extended.max_depth == 4 + 2
     for bad in ("chain-3+lookup=x", "chain-3+lookup+lookup", "nope+lookup", "chain-3+lookup=4,extend=y"):
         with pytest.raises(ValueError):
             resolve_tree(bad)
@@ -172,3 +173,74 @@ def test_two_token_law_with_lookup_branch(extend):
     # the extension needs the 2-gram (first token, heads' child) in the prompt: 387 of the 1,500 trees
     # held one with this seed; without it no tree can exceed 5 tokens
     assert extended > 300 if extend else extended == 0
+
+
+def test_lookup_depth_bound_holds_when_the_branch_runs_past_the_heads_path():
+    """The root's lookup branch follows the heads' whole first-choice path (6) and runs past its leaf; its
+    nodes become the first-choice path, and the extension hangs below them: depth tokens + extend."""
+    context = [5, 9, 6, 1, 2, 3, 4, 8, 5, 9]
+    tree = LookupTree(TreeSpec.chain(1), PromptLookup(tokens=5, extend=3))
+    spec, tokens = tree.draft(heads_proposing([6]), 9, context)
+    # the branch [6, 1, 2, 3, 4] took over the heads' node 6; the extension [8, 5, 9] hangs below it
+    assert tokens.tolist() == [9, 6, 1, 2, 3, 4, 8, 5, 9]
+    assert spec.max_depth == 8 == tree.max_depth
+
+
+def _constant_target(arch: str):
+    """A target whose logits are all zero (final norm zeroed): its next token is always 0, so a prompt
+    of a repeated pattern that holds one 0 makes every first tree as deep as the lookup can grow it."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from selfdraft.target import prepare_target
+
+    if arch == "gpt2":  # learned positions: a position id past the table is an IndexError
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+        target = prepare_target(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+        norm = target.transformer.ln_f
+        norm.bias.data.zero_()
+    else:
+        target = tiny_target("llama")
+        norm = target.model.norm
+    norm.weight.data.zero_()
+    return target
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_lookup_extension_near_the_context_end_keeps_positions_inside(arch, monkeypatch):
+    """Every distance from the context end: no position id reaches the context (RoPE would compute past
+    it silently, learned positions raise), and the output is the target's."""
+    from selfdraft.inference.decoding import speculative_generate
+    from selfdraft.target import max_context
+
+    target = _constant_target(arch)
+    limit = max_context(target)
+    seen = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        if kwargs.get("position_ids") is not None:
+            seen.append(int(kwargs["position_ids"].max()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    tree = resolve_tree("chain-1+lookup=5,extend=3")
+    pattern = [0, 11, 12, 13, 14, 15, 16, 17, 18]
+    deepest = 0
+    for length in range(limit - 14, limit):
+        # ends with 18, so the root 0 continues the pattern: the branch from the root is 11..15, the
+        # heads' first choice 11 is its first node, and the extension below 15 adds 16, 17, 18: depth 8
+        prompt = torch.tensor([(pattern * limit)[-length:]])
+        out = speculative_generate(
+            target,
+            OracleDrafter([*prompt[0].tolist(), *pattern * 20], vocab_size=96),
+            prompt,
+            spec=tree,
+            max_new_tokens=20,
+            sampling=SamplingParams(),
+            stop_token_ids=[],
+        )
+        assert out.tokens == [0] * len(out.tokens) and out.stats.finish_reason in ("context", "length")
+        deepest = max(deepest, len(out.stats.depth_offered))
+    assert seen and max(seen) < limit
+    assert deepest == 8  # far enough from the end, the full depth was drafted
