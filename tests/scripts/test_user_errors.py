@@ -398,10 +398,10 @@ def test_publish_overwrite_replaces_only_the_heads_folder_files(tmp_path, capsys
     (dest / "README.md").write_text("old card")
     assert cli.main(_publish(run, config, dest, "--overwrite")) == 0, capsys.readouterr().err
     assert (dest / "notes.txt").read_text() == "mine" and (dest / "src" / "main.py").is_file()
-    assert not (dest / "training_config.stage1.yaml").exists()
+    assert not (dest / "training_config.stage1.yaml").exists() and not (dest / "stages.json").exists()
     card = (dest / "README.md").read_text()
     assert "base_model: some-org/some-model" in card and "SmolLM2" not in card
-    for name in ("config.json", "model.safetensors", "README.md", "stages.json", "training_config.yaml"):
+    for name in ("config.json", "model.safetensors", "README.md", "training_config.yaml"):
         assert (dest / name).stat().st_mode & 0o777 == 0o644, name
     assert dest.stat().st_mode & 0o777 != 0o700 and not list(tmp_path.glob(".*tmp"))
     assert (run / "checkpoints" / "latest").is_file()
