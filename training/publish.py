@@ -22,9 +22,11 @@ from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
+from selfdraft.target import EMBEDDED
 from selfdraft.training.checkpoint import RUN_FILE
 
-BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# embedded name -> the hub id a model card names as its base_model
+BASE_MODELS = {name: model.hub_id for name, model in EMBEDDED.items()}
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 
 
