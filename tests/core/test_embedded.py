@@ -152,10 +152,10 @@ def test_qwen_converts_to_a_real_qwen2_target(qwen):
     # this GGUF carries its own output matrix (the hub model ties it): the conversion keeps it apart
     assert model.get_output_embeddings().weight.shape == (151936, 896)
     assert not any(p.requires_grad for p in model.parameters())
-    ids = tokenizer("def fibonacci(n):\n", return_tensors="pt").input_ids
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         nxt = model(ids).logits[0, -1].argmax()
-    assert tokenizer.decode(nxt).strip() in {"if", '"""', "#", "return"}
+    assert tokenizer.decode(nxt).strip() == "Paris"
 
 
 @pytest.mark.parametrize("layout", ["selfdraft", "eagle3"])
