@@ -9,14 +9,13 @@ predecessors on the diagonal, which is exactly what tree drafting shows the head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from selfdraft import kv
-from selfdraft.heads.eagle import EagleHead
-from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.training.objectives import eagle_loss, forward_kl, medusa_loss, ttt_weights
 from selfdraft.training.simulate import DepthRanks, label_ranks
 
@@ -37,11 +36,13 @@ class DraftObjective(nn.Module):
     forward registers the backward hooks that tell ZeRO where a gradient-accumulation boundary is, and
     ZeRO-3 gathers the heads' partitioned parameters around it. The target is not a submodule: its
     lm_head weight comes in as an argument and never enters the engine or its optimizer.
+    step: the heads kind's step function (`eagle_step`, `medusa_step`; see `training/strategies.py`).
     """
 
-    def __init__(self, heads: nn.Module) -> None:
+    def __init__(self, heads: nn.Module, step: Callable[..., StepOutput]) -> None:
         super().__init__()
         self.heads = heads
+        self.step = step
 
     def forward(
         self,
@@ -51,9 +52,8 @@ class DraftObjective(nn.Module):
         lm_head_weight: torch.Tensor,
         **step_kwargs,
     ) -> StepOutput:
-        """Arguments of `eagle_step` / `medusa_step` (chosen by the heads' kind), without the heads."""
-        step = medusa_step if isinstance(self.heads, MedusaHeads) else eagle_step
-        return step(self.heads, input_ids, loss_mask, hidden, lm_head_weight, **step_kwargs)
+        """Arguments of the step function, without the heads."""
+        return self.step(self.heads, input_ids, loss_mask, hidden, lm_head_weight, **step_kwargs)
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
@@ -87,7 +87,7 @@ def target_logits(features_last: torch.Tensor, heads, lm_head_weight: torch.Tens
 
 
 def eagle_step(
-    heads: EagleHead,
+    heads: nn.Module,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     hidden: list[torch.Tensor | None],
@@ -155,7 +155,7 @@ def eagle_step(
 
 
 def medusa_step(
-    heads: MedusaHeads,
+    heads: nn.Module,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     hidden: list[torch.Tensor | None],

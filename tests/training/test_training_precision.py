@@ -122,13 +122,13 @@ def test_features_keep_the_compute_dtype(tmp_path):
 
 def test_bf16_step_reduces_the_loss_in_float32():
     from selfdraft.heads import HeadsConfig, build_heads
-    from selfdraft.training.steps import DraftObjective
+    from selfdraft.training.steps import DraftObjective, eagle_step
 
     from tiny_models import tiny_target
 
     target = tiny_target().to(torch.bfloat16)
     heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
-    objective = DraftObjective(heads.to(torch.bfloat16))
+    objective = DraftObjective(heads.to(torch.bfloat16), eagle_step)
     ids = torch.randint(0, target.config.vocab_size, (2, 12))
     with torch.no_grad():
         hidden = list(target(ids, output_hidden_states=True).hidden_states)
