@@ -10,6 +10,7 @@ import torch.distributed as dist
 from selfdraft.training.batches import collate
 from selfdraft.training.config import RunConfig
 from selfdraft.training.feature_cache import HiddenStateCache, compute_features
+from selfdraft.training.output_head import output_head
 from selfdraft.training.prepare import heldout_cache_dir
 from selfdraft.training.simulate import simulated_tau
 from selfdraft.training.steps import StepOutput
@@ -37,10 +38,14 @@ def run_step(
     """One forward of the heads' objective. model: the DeepSpeed engine (training, evaluation) or a bare
     `DraftObjective`; both return a `StepOutput`. depth: draft depths to score (evaluation)."""
     hidden = hidden_list(batch["features"], target.config.num_hidden_layers)
-    lm_head_weight = target.get_output_embeddings().weight
     options = objective.step_options(config.train, depth)
     return model(
-        batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, exact_labels=exact_labels, **options
+        batch["input_ids"],
+        batch["loss_mask"],
+        hidden,
+        output_head(target),
+        exact_labels=exact_labels,
+        **options,
     )
 
 

@@ -42,6 +42,7 @@ from selfdraft.training.distributed import init_distributed
 from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, with_features
 from selfdraft.training.feature_cache import HiddenStateCache
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
+from selfdraft.training.output_head import check_output_head, output_head
 from selfdraft.training.prepare import cache_ready, feature_layers, prepare_features, prepare_splits
 from selfdraft.training.simulate import simulated_tau
 from selfdraft.training.steps import DraftObjective, StepOutput
@@ -353,6 +354,7 @@ def start_run(args: argparse.Namespace, config: RunConfig) -> Run:
         keep_freed_memory()
     dtype = resolve_precision(config.train.precision, device)  # target, features and heads' compute
     target, tokenizer = load_target(config.target, dtype=dtype, device=device)
+    check_output_head(target, output_head(target))  # the soft labels must be the target's own logits
     resolve_for_target(config, target.config)  # eagle3: default layers / draft vocab, checked on the target
     layers = feature_layers(config, target)
     run_lock = claim_run_folder(config, args.resume, rank, world, dtype_name(dtype))

@@ -122,6 +122,7 @@ def test_features_keep_the_compute_dtype(tmp_path):
 
 def test_bf16_step_reduces_the_loss_in_float32():
     from selfdraft.heads import HeadsConfig, build_heads
+    from selfdraft.training.output_head import output_head
     from selfdraft.training.steps import DraftObjective, eagle_step
 
     from tiny_models import tiny_target
@@ -134,7 +135,7 @@ def test_bf16_step_reduces_the_loss_in_float32():
         hidden = list(target(ids, output_hidden_states=True).hidden_states)
     assert hidden[-1].dtype == torch.bfloat16
     out = objective(
-        ids, torch.ones_like(ids), hidden, target.lm_head.weight,
+        ids, torch.ones_like(ids), hidden, output_head(target),
         ttt_steps=2, ttt_decay=0.8, feature_weight=0.1, ce_weight=1.0,
     )  # fmt: skip
     assert isinstance(out, tuple) and out.loss.dtype == torch.float32 and math.isfinite(out.metrics["loss"])
