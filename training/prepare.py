@@ -106,6 +106,24 @@ def prepare_splits(
     return _load_split(root / "train"), _load_split(root / "heldout")
 
 
+def split_data(config: RunConfig) -> dict | None:
+    """What the run's splits were built from (the fingerprint `prepare_splits` wrote), or None."""
+    path = Path(config.output_dir) / DATA_DIR / SPLIT_FINGERPRINT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_cache_matches(config: RunConfig, cache: HiddenStateCache, train) -> None:
+    """Refuse a feature cache computed from other rows than the run's training split (other data, or
+    another held-out fraction whose held-out rows it would train on), saying what differs."""
+    problems = cache.differences(train, split_data(config))
+    if problems:
+        raise UserError(
+            f"feature cache {config.data.feature_cache} was built from other data than this run's "
+            f"training split ({'; '.join(problems)}); set data.feature_cache to a new folder (or delete "
+            "that one) and run `selfdraft prepare --config CONFIG`"
+        )
+
+
 def cache_ready(config: RunConfig) -> bool:
     if not config.data.feature_cache:
         return False
@@ -137,8 +155,15 @@ def prepare_features(
     if not config.data.feature_cache:
         return None
     layers = feature_layers(config, target)
+    data = split_data(config)
     out = cache_hidden_states(
-        target, train, config.data.feature_cache, layers, shard_tokens=SHARD_TOKENS, batch_size=batch_size
+        target,
+        train,
+        config.data.feature_cache,
+        layers,
+        shard_tokens=SHARD_TOKENS,
+        batch_size=batch_size,
+        data=data,
     )
     if heldout is not None and len(heldout) > 0:
         cache_hidden_states(
@@ -148,5 +173,6 @@ def prepare_features(
             layers,
             shard_tokens=SHARD_TOKENS,
             batch_size=batch_size,
+            data=data,
         )
     return out

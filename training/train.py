@@ -34,6 +34,7 @@ from selfdraft.training.batches import SampleStream, collate, split_lengths
 from selfdraft.training.config import (
     PRECISIONS,
     RunConfig,
+    check_paths,
     load_run_config,
     resolve_for_target,
     resolve_precision,
@@ -43,7 +44,13 @@ from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, 
 from selfdraft.training.feature_cache import HiddenStateCache
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
 from selfdraft.training.output_head import check_output_head, output_head
-from selfdraft.training.prepare import cache_ready, feature_layers, prepare_features, prepare_splits
+from selfdraft.training.prepare import (
+    cache_ready,
+    check_cache_matches,
+    feature_layers,
+    prepare_features,
+    prepare_splits,
+)
 from selfdraft.training.simulate import simulated_tau
 from selfdraft.training.steps import DraftObjective, StepOutput
 from selfdraft.training.strategies import Objective, objective_for
@@ -272,19 +279,20 @@ class Progress:
     tokens_seen: int = 0  # this rank's tokens since then
     fed_last: int = 0  # tokens fed at the last count
     started: float = 0.0  # perf_counter at the first step of this process
+    lr: float = 0.0  # the learning rate the last step ran at
 
 
 def claim_run_folder(config: RunConfig, resume: bool, rank: int, world: int, precision: str):
-    """Refuse a folder of another run (or a fresh start over checkpoints) on every rank, then record
-    this run in it; returns rank 0's writer lock (held until exit), None elsewhere."""
+    """Refuse a folder of another run (or a fresh start over checkpoints) on every rank; returns
+    (this run's meta, the stored one a resume continues or None, rank 0's writer lock held until exit).
+    Rank 0 records the meta once the data is known (`record_run`)."""
     output_dir = Path(config.output_dir)
     lock = ckpt.hold_run_lock(output_dir) if rank == 0 else None
-    meta = ckpt.run_meta(config.fingerprint(), world, precision)
+    meta = ckpt.run_meta(config.fingerprint(), world, precision, config.settings())
     ckpt.check_meta(output_dir, meta, resume)
-    dist.barrier()
-    if rank == 0:
-        ckpt.write_meta(output_dir, meta)
-    return lock
+    stored = ckpt.read_meta(output_dir) if resume and ckpt.latest_tag(output_dir) else None
+    dist.barrier()  # every rank has read run.json before rank 0 rewrites it
+    return meta, stored, lock
 
 
 def load_splits(config: RunConfig, config_path: str, target, tokenizer, rank: int, world: int):
@@ -303,24 +311,39 @@ def load_splits(config: RunConfig, config_path: str, target, tokenizer, rank: in
     if rank != 0:
         train, heldout = prepare_splits(config, tokenizer)
     if config.data.feature_cache and not config.data.partial_cache and not cache_ready(config):
-        raise RuntimeError(
+        raise UserError(
             f"feature cache {config.data.feature_cache} is incomplete; run `selfdraft prepare --config "
             f"{config_path}` first (it resumes where it stopped)"
         )
     return train, heldout
 
 
-def training_examples(config: RunConfig, train, layers: list[int], dtype: torch.dtype):
-    """What the heads train on: the feature cache when the run names one, else the split itself."""
+def training_examples(config: RunConfig, train, layers: list[int], dtype: torch.dtype, stored: dict | None):
+    """What the heads train on: the feature cache when the run names one, else the split itself. A
+    partial cache serves the shards finished when the run started, also on resume (`stored`: the
+    resumed run's meta), so the sample order stays the same while more shards finish."""
     if not config.data.feature_cache:
         return train
-    cache = HiddenStateCache(config.data.feature_cache, allow_partial=config.data.partial_cache, dtype=dtype)
+    only = (stored or {}).get("cache_shards") if config.data.partial_cache else None
+    cache = HiddenStateCache(
+        config.data.feature_cache, allow_partial=config.data.partial_cache, dtype=dtype, only=only
+    )
     if not set(layers) <= set(cache.layers):
         raise UserError(
             f"feature cache {config.data.feature_cache} holds target layers {cache.layers}, but this run "
             f"reads {layers} (heads.feature_layers / heads.layout); set data.feature_cache to a new folder"
         )
+    check_cache_matches(config, cache, train)
     return cache
+
+
+def record_run(config: RunConfig, meta: dict, examples, rank: int) -> None:
+    """Rank 0 writes run.json: the meta a resume checks, and the feature-cache shards the run reads."""
+    if rank != 0:
+        return
+    if isinstance(examples, HiddenStateCache):
+        meta = {**meta, "cache_shards": examples.shard_names}
+    ckpt.write_meta(Path(config.output_dir), meta)
 
 
 def build_engine(config: RunConfig, objective: Objective, heads, total: int, world: int, dtype: torch.dtype):
@@ -357,9 +380,10 @@ def start_run(args: argparse.Namespace, config: RunConfig) -> Run:
     check_output_head(target, output_head(target))  # the soft labels must be the target's own logits
     resolve_for_target(config, target.config)  # eagle3: default layers / draft vocab, checked on the target
     layers = feature_layers(config, target)
-    run_lock = claim_run_folder(config, args.resume, rank, world, dtype_name(dtype))
+    meta, stored, run_lock = claim_run_folder(config, args.resume, rank, world, dtype_name(dtype))
     train, heldout = load_splits(config, args.config, target, tokenizer, rank, world)
-    examples = training_examples(config, train, layers, dtype)
+    examples = training_examples(config, train, layers, dtype, stored)
+    record_run(config, meta, examples, rank)
     heldout = heldout_examples(config, heldout, layers, dtype)
     heads = build_run_heads(config, target, train).to(device)
     t = config.train
@@ -414,6 +438,7 @@ def train_step(run: Run, progress: Progress) -> StepOutput:
     """One optimizer step: gradient_accumulation_steps micro-steps through the engine (ZeRO hooks,
     accumulation); returns the last micro-step's output."""
     accum = run.config.train.gradient_accumulation_steps
+    progress.lr = run.scheduler.get_last_lr()[0]  # this step's: the engine steps the schedule after it
     for micro in range(accum):
         rows = [run.examples[i] for i in run.stream.micro_batch(progress.step * accum + micro)]
         batch = with_features(collate(rows), run.target, run.layers, run.device, run.dtype)
@@ -458,6 +483,7 @@ def save(run: Run, step: int, fed: int) -> None:
         run.engine.save_checkpoint(
             str(run.output_dir / "checkpoints"),
             tag=tag,
+            save_latest=False,  # DeepSpeed writes it before every rank has finished: `mark_latest`
             client_state={
                 "step": step,
                 "fingerprint": run.config.fingerprint(),
@@ -468,10 +494,22 @@ def save(run: Run, step: int, fed: int) -> None:
         ckpt.export_heads(run.engine, run.engine.module.heads, run.output_dir, run.rank, run.zero_stage)
 
     ckpt.save_with_space_check(write, run.output_dir, tag, ckpt.checkpoint_bytes(run.engine.module.heads))
+    dist.barrier()  # every rank's files are written: only now may `latest` name the tag
     if run.rank == 0:
+        ckpt.mark_latest(run.output_dir, tag)
         ckpt.prune_checkpoints(run.output_dir, run.config.schedule.keep_checkpoints)
         run.log.write({"step": step, "event": "checkpoint"})
     dist.barrier()
+
+
+def describe_scores(step: int, held_out: dict) -> str:
+    """One progress line of held-out scores (`evaluate`'s dict)."""
+    top1 = " ".join(f"{a:.3f}" for a in held_out["eval_top1_by_depth"])
+    return (
+        f"step {step} held-out: loss {held_out['eval_loss']:.4f}, top-1 by depth {top1}, simulated tau "
+        f"chain {held_out['eval_simulated_tau_chain']:.2f} / tree {held_out['eval_tree']} "
+        f"{held_out['eval_simulated_tau_tree']:.2f}"
+    )
 
 
 def after_step(run: Run, progress: Progress, out: StepOutput, last: bool) -> None:
@@ -492,7 +530,7 @@ def after_step(run: Run, progress: Progress, out: StepOutput, last: bool) -> Non
                 "step": step,
                 "loss": out.metrics["loss"],
                 "top1_by_depth": accs,
-                "lr": run.scheduler.get_last_lr()[0],
+                "lr": progress.lr,
                 "tokens_per_s_rank": progress.tokens_seen / (time.perf_counter() - progress.started),
                 "tokens_fed": fed,
                 "world_size": run.world,
@@ -501,7 +539,10 @@ def after_step(run: Run, progress: Progress, out: StepOutput, last: bool) -> Non
     keep_snapshots(run, progress, fed)
     progress.fed_last = fed
     if step % schedule.eval_every == 0 or last:
-        run.log.write({"step": step, **scores(run)})
+        held_out = scores(run)
+        run.log.write({"step": step, **held_out})
+        if run.rank == 0 and held_out:
+            tqdm.write(describe_scores(step, held_out), file=sys.stderr)
     if save_now:
         save(run, step, fed)
 
@@ -534,7 +575,9 @@ def finish(run: Run, progress: Progress) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    run = start_run(args, worker_config(args))
+    config = worker_config(args)
+    check_paths(config)  # before the target loads: one line per missing file
+    run = start_run(args, config)
     progress = resume(run, args.resume)
     train_loop(run, progress)
     finish(run, progress)
@@ -551,14 +594,31 @@ def fed_tokens(before: int, local: int, device: torch.device, world: int) -> int
     return before + int(count.item())
 
 
+def lost_peer(err: BaseException) -> bool:
+    """Whether an error is a collective failing because another rank stopped (killed or crashed)."""
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or any(
+        mark in text for mark in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    )
+
+
 def run_worker(argv=None) -> int:
-    """The worker's entry: a user error is one line on stderr and exit status 2, as in the CLI."""
+    """The worker's entry: a user error is one line on stderr and exit status 2, as in the CLI; a rank
+    that loses another one (killed, crashed) says so in one line and exits 1, Ctrl-C exits 130 quietly
+    (the launcher then says how to resume)."""
+    rank = os.environ.get("RANK", "0")
     try:
         return main(argv)
     except UserError as err:
-        rank = os.environ.get("RANK", "0")
         print(f"selfdraft train (rank {rank}): {err}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise
+        print(f"selfdraft train (rank {rank}): another rank stopped; stopping too", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -233,8 +233,8 @@ def test_constant_lr_run_keeps_snapshots_along_the_way(tmp_path, tiny_target_dir
     config.write_text(yaml.safe_dump(cfg))
     run = train_in_one_process(config)
     log = read_log(run)
-    # logged after each step's scheduler step: the warmup's last third, then flat (cosine would decay)
-    assert [r["lr"] for r in log if "lr" in r] == pytest.approx([0.01 * 2 / 3] + [0.01] * 5)
+    # the lr each step ran at: the warmup's thirds, then flat (cosine would decay)
+    assert [r["lr"] for r in log if "lr" in r] == pytest.approx([0.01 / 3, 0.01 * 2 / 3] + [0.01] * 4)
     fed = {r["step"]: r["tokens_fed"] for r in log if "loss" in r}
     assert all(fed[s] < fed[s + 1] for s in range(1, 6))
     at = next(s for s in range(1, 7) if fed[s] >= 400)
