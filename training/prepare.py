@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 
@@ -122,6 +123,32 @@ def check_cache_matches(config: RunConfig, cache: HiddenStateCache, train) -> No
             f"training split ({'; '.join(problems)}); set data.feature_cache to a new folder (or delete "
             "that one) and run `selfdraft prepare --config CONFIG`"
         )
+
+
+def features_ready(config: RunConfig, train, heldout) -> bool:
+    """Whether the feature caches of both splits are complete, of the run's layers and of exactly
+    these rows: then there is nothing for the target to compute (it need not even load)."""
+    from transformers import AutoConfig
+
+    from selfdraft.target import resolve_target_path
+
+    if not cache_ready(config):
+        return False
+    try:
+        text = AutoConfig.from_pretrained(resolve_target_path(config.target))
+    except (OSError, ValueError):
+        return False  # loading the target will say what is wrong
+    depth = SimpleNamespace(config=getattr(text, "get_text_config", lambda: text)())
+    layers = feature_layers(config, depth)
+    folders = [(config.data.feature_cache, train), (heldout_cache_dir(config), heldout)]
+    for folder, split in folders[: 2 if len(heldout) else 1]:
+        try:
+            cache = HiddenStateCache(folder)
+        except (FileNotFoundError, ValueError):
+            return False
+        if cache.layers != layers or not cache.holds(split):
+            return False
+    return True
 
 
 def cache_ready(config: RunConfig) -> bool:
