@@ -70,3 +70,9 @@ def test_the_trainer_never_branches_on_the_head_kind(path):
         if isinstance(node, ast.Name) and node.id in HEAD_CLASSES:
             found.append(f"line {node.lineno}: names {node.id}")
     assert not found, f"{path} branches on the head kind: {found}"
+
+
+def test_the_unroll_defaults_are_eagle3s():
+    """ttt_steps 7 and decay 0.8 as EAGLE-3 trains (the reason is in `TrainSection`'s comments)."""
+    train = RunConfig().train
+    assert (train.ttt_steps, train.ttt_decay) == (7, 0.8)
