@@ -177,7 +177,7 @@ def cache_hidden_states(
             changed = ", ".join(sorted(k for k in old.keys() | index.keys() if old.get(k) != index.get(k)))
             raise UserError(
                 f"{out_dir} holds a cache of other data or layers ({changed} differ); use a new "
-                "data.feature_cache folder"
+                "feature_cache folder"
             )
     else:
         index_path.write_text(json.dumps(index, indent=1))
