@@ -261,7 +261,7 @@ def test_constant_lr_run_keeps_snapshots_along_the_way(tmp_path, tiny_target_dir
 def test_time_budget_ends_the_cosine_and_stops_where_it_saves(tmp_path, tiny_target_dir):
     """train.max_minutes: the run stops at the first step past the budget (long before max_steps),
     evaluates and saves there; a resume finds the budget spent and trains no further."""
-    from selfdraft.training.train import TimeBudget, lr_lambda
+    from selfdraft.training.engine import TimeBudget, lr_lambda
 
     budget = TimeBudget(seconds=100.0)
     f = lr_lambda(2, 1000, "cosine", budget.fraction)

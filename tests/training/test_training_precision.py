@@ -54,7 +54,7 @@ def _yaml(tmp_path: Path, text: str) -> Path:
 
 def test_deepspeed_mixed_precision_follows_the_run_precision(tmp_path):
     from selfdraft.errors import UserError
-    from selfdraft.training.train import deepspeed_config
+    from selfdraft.training.engine import deepspeed_config
 
     config = RunConfig(deepspeed=str(ROOT / "configs/deepspeed/zero3.json"))
     on = deepspeed_config(config, 2, torch.bfloat16)  # on CPU too: fp32 master weights, bf16 compute
