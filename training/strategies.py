@@ -175,20 +175,21 @@ class Eagle3Objective(EagleObjective):
             )
 
 
-# (heads.kind, heads.layout) -> the objective that trains them
-OBJECTIVES: dict[tuple[str, str], Objective] = {
-    ("medusa", "selfdraft"): MedusaObjective(),
-    ("eagle", "selfdraft"): EagleObjective(),
-    ("eagle", "eagle3"): Eagle3Objective(),
+# "kind" or "kind/layout" (a kind whose heads come in several layouts) -> the objective that trains them
+OBJECTIVES: dict[str, Objective] = {
+    "medusa": MedusaObjective(),
+    "eagle/selfdraft": EagleObjective(),
+    "eagle/eagle3": Eagle3Objective(),
 }
 
 
 def objective_for(config: RunConfig) -> Objective:
-    """The objective of the run's heads.kind and heads.layout."""
-    key = (config.heads.kind, config.heads.layout)
-    if key not in OBJECTIVES:
-        known = ", ".join(f"{kind}/{layout}" for kind, layout in OBJECTIVES)
+    """The objective of the run's heads.kind (and heads.layout, for a kind with several)."""
+    h = config.heads
+    name = h.kind if h.kind in OBJECTIVES else f"{h.kind}/{h.layout}"
+    if name not in OBJECTIVES:
         raise UserError(
-            f"heads.kind {key[0]!r} with heads.layout {key[1]!r} has no training objective; use one of {known}"
+            f"heads.kind {h.kind!r} with heads.layout {h.layout!r} has no training objective; use one of "
+            f"{', '.join(OBJECTIVES)}"
         )
-    return OBJECTIVES[key]
+    return OBJECTIVES[name]

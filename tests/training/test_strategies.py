@@ -40,8 +40,9 @@ def test_the_table_picks_one_objective_per_kind(kind, layout, objective):
 
 
 def test_a_kind_without_objective_is_refused_naming_the_known_ones():
-    with pytest.raises(UserError, match=r"heads.kind 'medusa' with heads.layout 'eagle3'.*eagle/eagle3"):
-        objective_for(_config("medusa", "eagle3"))
+    with pytest.raises(UserError, match=r"heads.kind 'eagle' with heads.layout 'eagle1'.*eagle/eagle3"):
+        objective_for(_config("eagle", "eagle1"))
+    assert type(objective_for(_config("medusa", "eagle3"))) is MedusaObjective  # Medusa has no layouts
 
 
 def test_step_options_come_from_the_train_section():
