@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from selfdraft.errors import UserError
 from selfdraft.scripts.options import add_num_proc_argument
@@ -58,15 +61,31 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The `selfdraft train` command that continues this run (same shape, `--resume`)."""
+    cmd = ["selfdraft", "train", "--config", args.config, "--nproc", str(args.nproc)]
+    if args.nnodes > 1:
+        cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
+        cmd += ["--rdzv-endpoint", args.rdzv_endpoint]
+    for flag, value in (("--output-dir", args.output_dir), ("--max-steps", args.max_steps)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if getattr(args, "precision", None):
+        cmd += ["--precision", args.precision]
+    return shlex.join(cmd + ["--resume"])
+
+
 def run(args: argparse.Namespace) -> int:
     from selfdraft.scripts.prepare import prepare_from_config
-    from selfdraft.training.config import load_run_config
+    from selfdraft.training.config import check_paths, load_run_config
 
     # Every node prepares before its ranks start, in parallel: with node-local storage each node needs
     # its own splits (and feature cache); on a shared filesystem the builders' locks make one node build
     # and the others reuse it. Preparing on node 0 alone would leave the other nodes waiting at the
     # rendezvous for as long as the preparation takes.
-    config = load_run_config(args.config)
+    overrides = {"output_dir": args.output_dir} if args.output_dir else {}
+    config = load_run_config(args.config, overrides)
+    check_paths(config)  # every file the run reads, before any work
     prepare_from_config(
         args.config,
         args.output_dir,
@@ -76,7 +95,16 @@ def run(args: argparse.Namespace) -> int:
     )
     cmd = torchrun_command(args)
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    return launch(cmd)
+    returncode, failure, interrupted = launch(cmd)
+    from selfdraft.training.checkpoint import latest_tag
+    from selfdraft.training.failures import USER_ERROR_EXIT, explain_failure
+
+    line = explain_failure(
+        returncode, failure, interrupted, latest_tag(Path(config.output_dir)), resume_command(args)
+    )
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT if returncode and failure.exitcode == USER_ERROR_EXIT else returncode
 
 
 def _die_with_parent() -> None:
@@ -87,17 +115,40 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def launch(cmd: list[str]) -> int:
+def launch(cmd: list[str]):
     """Run torchrun and never outlive it nor let it outlive us: signals are passed on, and a killed
-    launcher takes torchrun (and so every worker) with it, so no orphan keeps writing the run folder."""
-    child = subprocess.Popen(cmd, env=os.environ.copy(), preexec_fn=_die_with_parent)
+    launcher takes torchrun (and so every worker) with it, so no orphan keeps writing the run folder.
+    Its stderr (the workers' too) is shown as it comes, less torchrun's failure report
+    (`TorchrunOutput`). Returns (exit status, the failure torchrun reported, whether we were
+    interrupted)."""
+    from selfdraft.training.failures import TorchrunOutput
+
+    child = subprocess.Popen(cmd, env=os.environ.copy(), preexec_fn=_die_with_parent, stderr=subprocess.PIPE)
+    interrupted = False
 
     def forward(signum, frame):
+        nonlocal interrupted
+        interrupted = True
         child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    output = TorchrunOutput()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
-        return child.wait()
+        while chunk := _read(child.stderr.fileno()):
+            sys.stderr.write(output.feed(decoder.decode(chunk)))
+            sys.stderr.flush()
+        sys.stderr.write(output.close())
+        return child.wait(), output.failure, interrupted
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _read(fd: int) -> bytes:
+    """The next chunk of a pipe (b"" at its end), retried when a forwarded signal interrupts it."""
+    while True:
+        try:
+            return os.read(fd, 65536)
+        except InterruptedError:
+            continue

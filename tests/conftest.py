@@ -91,7 +91,8 @@ def text_run(tmp_path, tiny_target_dir):
             "deepspeed": str(root / f"configs/deepspeed/zero{stage}.json"),
             "heads": {"kind": "eagle", "draft_vocab_size": 256},
             "data": {"sources": [str(texts)], "max_length": 40, "heldout_fraction": 0.1},
-            "train": {"micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1, "precision": "fp32"},
+            # ttt_steps 1: the short runs these tests need (the default unrolls 7 steps)
+            "train": {"micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1, "precision": "fp32", "ttt_steps": 1},
             "schedule": {"log_every": 1},
         }
         for name, values in sections.items():

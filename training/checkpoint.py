@@ -13,7 +13,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import re
 import shutil
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -31,10 +33,27 @@ class ResumeError(UserError, RuntimeError):
     """A run folder that cannot be resumed as asked (another config, world size or precision)."""
 
 
-def run_meta(fingerprint: str, world_size: int, precision: str | None = None) -> dict:
-    """precision: the dtype train.precision resolved to (`auto` may resolve differently elsewhere)."""
+def run_meta(
+    fingerprint: str, world_size: int, precision: str | None = None, settings: dict | None = None
+) -> dict:
+    """precision: the dtype train.precision resolved to (`auto` may resolve differently elsewhere);
+    settings: `RunConfig.settings()`, what a resume must share (runs started before it was kept
+    compare the fingerprint, which also covers the budget)."""
     meta = {"fingerprint": fingerprint, "world_size": world_size}
-    return meta if precision is None else {**meta, "precision": precision}
+    if precision is not None:
+        meta["precision"] = precision
+    if settings is not None:
+        meta["settings"] = settings
+    return meta
+
+
+def changed_settings(stored: dict, now: dict) -> list[str]:
+    """`key: then -> now` for each setting that differs between a run's checkpoint and this config."""
+    return [
+        f"{key}: {stored.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(stored.keys() | now.keys())
+        if stored.get(key) != now.get(key)
+    ]
 
 
 def check_meta(output_dir: Path, meta: dict, resume: bool) -> None:
@@ -54,16 +73,28 @@ def check_meta(output_dir: Path, meta: dict, resume: bool) -> None:
                 f"checkpoint in {output_dir} was written by {stored['world_size']} processes, this job has "
                 f"{meta['world_size']}; resume with --nproc {stored['world_size']} or start a new output_dir"
             )
-        elif stored["fingerprint"] != meta["fingerprint"]:
+        elif "settings" in stored and "settings" in meta and stored["settings"] != meta["settings"]:
+            changed = "; ".join(changed_settings(stored["settings"], meta["settings"]))
+            raise ResumeError(
+                f"checkpoint in {output_dir} was trained with a different config ({changed}); restore "
+                "it or use a new output_dir (a resume may change only train.max_steps, epochs and max_minutes)"
+            )
+        elif "settings" not in stored and stored["fingerprint"] != meta["fingerprint"]:
             raise ResumeError(
                 f"checkpoint in {output_dir} was trained with a different config (fingerprint "
-                f"{stored['fingerprint']} != {meta['fingerprint']}); restore that config or use a new output_dir"
+                f"{stored['fingerprint']} != {meta['fingerprint']}; a run started before selfdraft kept its "
+                "settings cannot change its budget either); restore that config or use a new output_dir"
             )
         elif stored.get("precision", meta.get("precision")) != meta.get("precision"):
             raise ResumeError(
                 f"checkpoint in {output_dir} was trained in {stored['precision']}, but train.precision resolves "
                 f"to {meta['precision']} here; set train.precision to match it or use a new output_dir"
             )
+
+
+def read_meta(output_dir: Path) -> dict | None:
+    path = output_dir / RUN_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_meta(output_dir: Path, meta: dict) -> None:
@@ -106,12 +137,53 @@ def gathered(heads, zero_stage: int):
         yield
 
 
+LATEST = "latest"  # DeepSpeed's file naming the newest tag; selfdraft writes it itself (`mark_latest`)
+
+
+def _stored_world(output_dir: Path) -> int | None:
+    meta = read_meta(output_dir)
+    return int(meta["world_size"]) if meta else None
+
+
+def checkpoint_whole(folder: Path, world: int | None) -> bool:
+    """Whether a DeepSpeed tag folder holds a finished save of every rank: each `*.pt` file a complete
+    zip (torch.save's format; a write cut short lacks the zip's closing directory), the model states,
+    and one file per rank (`world`) of each per-rank kind (ZeRO's `..._zero_pp_rank_R_...` files).
+
+    DeepSpeed writes `latest` on rank 0 before its final barrier, so a kill in that window leaves
+    `latest` naming a tag whose other ranks' files are missing or half written."""
+    files = list(folder.glob("*.pt")) if folder.is_dir() else []
+    if not any(f.name.endswith("_model_states.pt") for f in files):  # ZeRO-3: one per rank
+        return False
+    if not all(zipfile.is_zipfile(f) for f in files):
+        return False
+    kinds: dict[str, set[int]] = {}
+    for f in files:
+        match = re.match(r"(.*zero_pp_rank_)(\d+)(_.*)", f.name)
+        if match:
+            kinds.setdefault(match.group(1) + "R" + match.group(3), set()).add(int(match.group(2)))
+    return world is None or all(ranks == set(range(world)) for ranks in kinds.values())
+
+
 def latest_tag(output_dir: Path) -> str | None:
-    latest = output_dir / "checkpoints" / "latest"
-    if not latest.is_file():
-        return None
-    tag = latest.read_text().strip()
-    return tag if (output_dir / "checkpoints" / tag).is_dir() else None
+    """The tag a resume loads: the one `latest` names when that save is whole (`checkpoint_whole`),
+    else the newest whole one; None without any."""
+    root = output_dir / "checkpoints"
+    world = _stored_world(output_dir)
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    if named and checkpoint_whole(root / named, world):
+        return named
+    whole = [p.name for p in sorted(root.glob("step-*")) if checkpoint_whole(p, world)]
+    return whole[-1] if whole else None
+
+
+def mark_latest(output_dir: Path, tag: str) -> None:
+    """Name `tag` in `latest` (atomically), once every rank has finished writing it."""
+    root = output_dir / "checkpoints"
+    tmp = root / f"{LATEST}.tmp"
+    tmp.write_text(tag)
+    tmp.replace(root / LATEST)
 
 
 def prune_checkpoints(output_dir: Path, keep: int) -> None:

@@ -1,4 +1,14 @@
-"""The run config: typed dataclasses read from YAML; an unknown key is an error naming the key."""
+"""The run config: typed dataclasses read from YAML; an unknown key is an error naming the key.
+
+Paths in a run config (target, deepspeed, heads.init_from, data.sources, data.feature_cache,
+output_dir): a relative path that exists from the current folder means that file, as it always did
+(the configs in configs/train are written from the repository root); one that does not exist there
+but exists beside the config file is read from there, so `selfdraft train --config elsewhere/run.yaml`
+finds the files next to it from any folder; `configs/...` files shipped with selfdraft (the default
+deepspeed JSON) are found in the installed package. What exists nowhere (a run folder or feature
+cache still to be made) stays relative to the current folder. `check_paths` checks every path a run
+reads before any work.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from selfdraft.errors import MissingFileError
 from selfdraft.precision import cpu_has_native_bf16
 from selfdraft.typed_config import ConfigError, build_dataclass
 
@@ -20,6 +31,11 @@ LR_SCHEDULES = ("cosine", "constant")
 # published EAGLE-3 architecture (heads/foreign/modules.py), which `selfdraft export --to vllm|sglang`
 # writes for the engines.
 LAYOUTS = ("selfdraft", "eagle3")
+# where the `configs/...` files shipped with selfdraft are (repository configs/ or the installed package)
+PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".parquet", ".csv", ".arrow")
+# how long a run trains: a resume may change them (extend a finished run); the rest of the config may not
+BUDGET_KEYS = ("train.epochs", "train.max_steps", "train.max_minutes")
 # heads.draft_vocab_size of an eagle3 run that leaves it unset (EAGLE-3's own default for Llama 3).
 EAGLE3_DEFAULT_DRAFT_VOCAB = 32000
 EAGLE3_FEATURE_LAYERS = 3  # the engines' EAGLE-3 drafters fuse exactly three target layers
@@ -78,10 +94,19 @@ class TrainSection:
     # taken along one run (schedule.snapshot_tokens) each stand for a run stopped there
     lr_schedule: str = "cosine"
     grad_clip: float = 1.0
-    ttt_steps: int = 1  # EAGLE "training-time test": unroll the head on its own features n times
-    ttt_decay: float = 0.8
+    # EAGLE "training-time test": unroll the head on its own features n times (step j trains draft depth
+    # j+1 on the head's own earlier outputs, as tree drafting feeds it). 7 is EAGLE-3's; deeper drafts
+    # need it: on SmolLM2 (configs/train/ablations/compare.md, 300 steps each) 4 steps instead of 2 raised
+    # held-out top-1 at depths 3 / 4 from 0.085 / 0.108 to 0.262 / 0.255 for 13% more time. Each step
+    # costs about one head forward; short CPU runs set 2.
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8  # weight of unroll step j: decay**j (EAGLE-3's 0.8)
     # SmoothL1 on predicted features (EAGLE-1); 0 disables. None: 0.1 (selfdraft), 0 (eagle3, which
-    # drops the feature loss: its head's output is a pre-norm state, not the target's feature)
+    # drops the feature loss: its head's output is a pre-norm state, not the target's feature).
+    # EAGLE-1 weighs them the other way (feature 1.0, CE 0.1); here the CE leads because acceptance
+    # depends on the draft's token distribution only and the CE is against the target's full soft
+    # distribution, while the feature term is a regulariser that the unrolled steps and EAGLE-3 drop
+    # entirely (not ablated here: every shipped SmolLM2 stage trained with 0.1 / 1.0).
     feature_weight: float | None = None
     ce_weight: float = 1.0  # soft CE / forward KL against the target's distribution
     # EAGLE only, with a draft vocabulary: no loss where the target's greedy token is outside it (EAGLE-3)
@@ -131,6 +156,20 @@ class RunConfig:
             t.feature_weight = 0.0 if h.layout == "eagle3" else 0.1
         if h.feature_layers is None and h.layout != "eagle3":
             h.feature_layers = [-1]
+
+    def settings(self) -> dict[str, object]:
+        """Every key that changes what a step computes, flattened ("train.lr": 0.001): what a resumed
+        run must share with its checkpoint. Not the budget (BUDGET_KEYS: a resume may extend it), where
+        or how often the run saves, nor the output folder."""
+        data = dataclasses.asdict(self)
+        data.pop("schedule")
+        data.pop("output_dir")
+        flat = {
+            f"{section}.{key}" if isinstance(values, dict) else section: value
+            for section, values in data.items()
+            for key, value in (values.items() if isinstance(values, dict) else [(None, values)])
+        }
+        return {key: value for key, value in flat.items() if key not in BUDGET_KEYS}
 
     def fingerprint(self) -> str:
         """Hash of everything that changes what a step computes (not where or how often it saves)."""
@@ -251,12 +290,69 @@ def resolve_for_target(config: RunConfig, target_config) -> RunConfig:
     return config
 
 
+def _resolve_path(value: str | None, folder: Path) -> str | None:
+    """A config path as the module docstring says: from the current folder, else beside the config
+    file, else among the packaged configs, else as written."""
+    if not value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute() or path.exists():
+        return value
+    candidates = [folder / path]
+    if path.parts[0] == "configs" and len(path.parts) > 1:
+        candidates.append(PACKAGED_CONFIGS / Path(*path.parts[1:]))
+    return next((str(c) for c in candidates if c.exists()), value)
+
+
+def resolve_paths(config: RunConfig, folder: Path) -> RunConfig:
+    """Every path of `config` resolved against `folder` (the config file's) where needed, in place."""
+    config.target = _resolve_path(config.target, folder)
+    config.output_dir = _resolve_path(config.output_dir, folder)
+    config.deepspeed = _resolve_path(config.deepspeed, folder)
+    config.heads.init_from = _resolve_path(config.heads.init_from, folder)
+    config.data.feature_cache = _resolve_path(config.data.feature_cache, folder)
+    config.data.sources = [_resolve_path(source, folder) for source in config.data.sources]
+    return config
+
+
+def _looks_like_path(value: str) -> bool:
+    """A data source or target written as a file path (not a corpus name or a hub id)."""
+    return value.startswith(("/", "./", "../", "~")) or Path(value).suffix in DATA_SUFFIXES
+
+
+def check_paths(config: RunConfig, reads_cache: bool = True) -> None:
+    """Every file a run reads, checked before any work: one line per missing path, naming the key.
+    reads_cache: the run reads data.feature_cache as it is (a partial cache trains on what is there)."""
+    problems = []
+    if not Path(config.deepspeed).is_file():
+        problems.append(f"deepspeed: {config.deepspeed} is not a file; give the path of a DeepSpeed JSON")
+    if config.heads.init_from and not Path(config.heads.init_from).is_dir():
+        problems.append(f"heads.init_from: {config.heads.init_from} is not a heads folder")
+    for source in config.data.sources:
+        if _looks_like_path(source) and not Path(source).expanduser().exists():
+            problems.append(f"data.sources: {source} does not exist")
+    if _looks_like_path(config.target) and not Path(config.target).expanduser().is_dir():
+        problems.append(f"target: {config.target} is not a model folder")
+    cache = config.data.feature_cache
+    if reads_cache and cache and config.data.partial_cache and not (Path(cache) / "index.json").is_file():
+        problems.append(
+            f"data.feature_cache: {cache} holds no cache yet (data.partial_cache trains on the shards "
+            "finished so far); start `selfdraft prepare --config CONFIG` first, or set data.partial_cache: false"
+        )
+    if problems:
+        where = "relative paths are read from the current folder or beside the config file"
+        raise MissingFileError("\n".join(problems) + (f" ({where})" if len(problems) == 1 else f"\n({where})"))
+
+
 def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
-    """Read a run config; `overrides` is a nested dict merged over the file (CLI flags)."""
+    """Read a run config; `overrides` is a nested dict merged over the file (CLI flags). Relative
+    paths are resolved as the module docstring says (`check_paths` checks them)."""
+    if not Path(path).is_file():
+        raise MissingFileError(f"run config {path} does not exist; pass the path of a YAML run config")
     raw = yaml.safe_load(Path(path).read_text()) or {}
     for key, value in (overrides or {}).items():
         raw.setdefault(key, {}).update(value) if isinstance(value, dict) else raw.__setitem__(key, value)
-    config = build_dataclass(RunConfig, raw)
+    config = resolve_paths(build_dataclass(RunConfig, raw), Path(path).resolve().parent)
     if config.heads.kind not in ("eagle", "medusa"):
         raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
     _check_precision(config.train.precision)

@@ -144,13 +144,15 @@ def cache_hidden_states(
     layers: Sequence[int],
     shard_tokens: int = 1 << 17,
     batch_size: int = 8,
+    data: dict | None = None,
 ) -> Path:
     """Run the frozen target over `dataset` (rows with input_ids, loss_mask) and cache its features.
 
     A shard is built in memory: shard_tokens x len(layers) x hidden_size fp16 values (the default 131k
     tokens is ~0.45 GB for SmolLM2 with 3 layers, ~3.2 GB for an 8B target). Resumable: the shard plan
     is fixed in index.json before any work, finished shards are skipped, and a rerun over a different
-    dataset or layer set refuses to mix caches.
+    dataset or layer set refuses to mix caches. data: what the dataset was built from (the run's
+    split fingerprint), kept in the index so a cache read for other data can say what differs.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -164,12 +166,19 @@ def cache_hidden_states(
         "dataset_fingerprint": fingerprint,
         "target": getattr(model.config, "_name_or_path", ""),
         "shards": _plan_shards(lengths, shard_tokens),
-    }
+    } | ({"data": data} if data is not None else {})
     index_path = out_dir / INDEX_FILE
     if index_path.exists():
         old = json.loads(index_path.read_text())
+        if "data" not in old or "data" not in index:  # a cache from before the index kept its data
+            old.pop("data", None)
+            index.pop("data", None)
         if old != index:
-            raise UserError(f"{out_dir} holds a cache of other data or layers; use a new feature_cache folder")
+            changed = ", ".join(sorted(k for k in old.keys() | index.keys() if old.get(k) != index.get(k)))
+            raise UserError(
+                f"{out_dir} holds a cache of other data or layers ({changed} differ); use a new "
+                "feature_cache folder"
+            )
     else:
         index_path.write_text(json.dumps(index, indent=1))
     with locks.held(out_dir / "writer.lock", wait=False, what=str(out_dir)):  # one filler per cache
@@ -197,16 +206,33 @@ class HiddenStateCache(torch.utils.data.Dataset):
     dtype: the dtype features are returned in (stored fp16; training asks for the heads' compute dtype).
     """
 
-    def __init__(self, out_dir: str | Path, allow_partial: bool = False, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        allow_partial: bool = False,
+        dtype: torch.dtype = torch.float32,
+        only: Sequence[str] | None = None,
+    ):
         self.root = Path(out_dir)
         self.dtype = dtype
-        self.index = json.loads((self.root / INDEX_FILE).read_text())
+        index_path = self.root / INDEX_FILE
+        if not index_path.is_file():
+            raise MissingFileError(f"{self.root} holds no feature cache ({INDEX_FILE} missing)")
+        self.index = json.loads(index_path.read_text())
         shards = self.index["shards"]
         missing = [s["name"] for s in shards if not (self.root / s["name"]).is_dir()]
         if missing and not allow_partial:
             raise MissingFileError(
                 f"{self.root}: {len(missing)} shards not written yet; rerun cache_hidden_states to resume"
             )
+        if only is not None:  # a resumed partial-cache run reads the shards it started with, no more
+            gone = sorted(set(only) & set(missing) | set(only) - {s["name"] for s in shards})
+            if gone:
+                raise MissingFileError(
+                    f"{self.root}: shards {', '.join(gone)}, which this run trained on, are gone; restore "
+                    "them or start a new output_dir"
+                )
+            missing = [s["name"] for s in shards if s["name"] not in set(only)]
         self._shards = [k for k, s in enumerate(shards) if s["name"] not in set(missing)]
         if not self._shards:
             raise MissingFileError(f"{self.root}: no finished shard yet")
@@ -221,9 +247,31 @@ class HiddenStateCache(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._length
 
+    @property
+    def shard_names(self) -> list[str]:
+        """The shards this reader serves (a partial cache: those finished when it was opened)."""
+        return [self.index["shards"][k]["name"] for k in self._shards]
+
     def holds(self, dataset) -> bool:
         """Whether this cache was computed from exactly `dataset`'s token rows, in its order."""
         return self.index["dataset_fingerprint"] == _lengths_and_fingerprint(dataset)[1]
+
+    def differences(self, dataset, data: dict | None = None) -> list[str]:
+        """What sets this cache apart from `dataset` (data: what that split was built from, as the
+        index's "data"); empty when the cache was computed from exactly its token rows, in order."""
+        lengths, fingerprint = _lengths_and_fingerprint(dataset)
+        if fingerprint == self.index["dataset_fingerprint"]:
+            return []
+        theirs = self.index.get("data") or {}
+        out = [
+            f"data.{key}: {theirs.get(key)!r} in the cache, {data.get(key)!r} in this run"
+            for key in sorted(theirs.keys() | (data or {}).keys())
+            if theirs and data is not None and theirs.get(key) != data.get(key)
+        ]
+        count = self.index["num_examples"]
+        if count != len(lengths):
+            return out + [f"{count} examples in the cache, {len(lengths)} in this run's training split"]
+        return out + [f"the cache's {count} examples hold other tokens than this run's training split"]
 
     def _shard(self, k: int) -> dict[str, np.ndarray]:
         if k not in self._open:  # mmap: only the pages an example touches are read

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 
@@ -107,6 +108,50 @@ def prepare_splits(
     return _load_split(root / "train"), _load_split(root / "heldout")
 
 
+def split_data(config: RunConfig) -> dict | None:
+    """What the run's splits were built from (the fingerprint `prepare_splits` wrote), or None."""
+    path = Path(config.output_dir) / DATA_DIR / SPLIT_FINGERPRINT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_cache_matches(config: RunConfig, cache: HiddenStateCache, train) -> None:
+    """Refuse a feature cache computed from other rows than the run's training split (other data, or
+    another held-out fraction whose held-out rows it would train on), saying what differs."""
+    problems = cache.differences(train, split_data(config))
+    if problems:
+        raise UserError(
+            f"feature cache {config.data.feature_cache} was built from other data than this run's "
+            f"training split ({'; '.join(problems)}); set data.feature_cache to a new folder (or delete "
+            "that one) and run `selfdraft prepare --config CONFIG`"
+        )
+
+
+def features_ready(config: RunConfig, train, heldout) -> bool:
+    """Whether the feature caches of both splits are complete, of the run's layers and of exactly
+    these rows: then there is nothing for the target to compute (it need not even load)."""
+    from transformers import AutoConfig
+
+    from selfdraft.target import resolve_target_path
+
+    if not cache_ready(config):
+        return False
+    try:
+        text = AutoConfig.from_pretrained(resolve_target_path(config.target))
+    except (OSError, ValueError):
+        return False  # loading the target will say what is wrong
+    depth = SimpleNamespace(config=getattr(text, "get_text_config", lambda: text)())
+    layers = feature_layers(config, depth)
+    folders = [(config.data.feature_cache, train), (heldout_cache_dir(config), heldout)]
+    for folder, split in folders[: 2 if len(heldout) else 1]:
+        try:
+            cache = HiddenStateCache(folder)
+        except (FileNotFoundError, ValueError):
+            return False
+        if cache.layers != layers or not cache.holds(split):
+            return False
+    return True
+
+
 def cache_ready(config: RunConfig) -> bool:
     if not config.data.feature_cache:
         return False
@@ -138,8 +183,15 @@ def prepare_features(
     if not config.data.feature_cache:
         return None
     layers = feature_layers(config, target)
+    data = split_data(config)
     out = cache_hidden_states(
-        target, train, config.data.feature_cache, layers, shard_tokens=SHARD_TOKENS, batch_size=batch_size
+        target,
+        train,
+        config.data.feature_cache,
+        layers,
+        shard_tokens=SHARD_TOKENS,
+        batch_size=batch_size,
+        data=data,
     )
     if heldout is not None and len(heldout) > 0:
         cache_hidden_states(
@@ -149,5 +201,6 @@ def prepare_features(
             layers,
             shard_tokens=SHARD_TOKENS,
             batch_size=batch_size,
+            data=data,
         )
     return out

@@ -9,15 +9,15 @@ predecessors on the diagonal, which is exactly what tree drafting shows the head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from selfdraft import kv
-from selfdraft.heads.eagle import EagleHead
-from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.training.objectives import eagle_loss, forward_kl, medusa_loss, ttt_weights
+from selfdraft.training.output_head import OutputHead
 from selfdraft.training.simulate import DepthRanks, label_ranks
 
 
@@ -36,24 +36,26 @@ class DraftObjective(nn.Module):
     DeepSpeed's engine wraps this module, so every micro-step runs through `engine(...)`: the engine's
     forward registers the backward hooks that tell ZeRO where a gradient-accumulation boundary is, and
     ZeRO-3 gathers the heads' partitioned parameters around it. The target is not a submodule: its
-    lm_head weight comes in as an argument and never enters the engine or its optimizer.
+    output head (`OutputHead`, the lm_head weight) comes in as an argument and never enters the engine
+    or its optimizer.
+    step: the heads kind's step function (`eagle_step`, `medusa_step`; see `training/strategies.py`).
     """
 
-    def __init__(self, heads: nn.Module) -> None:
+    def __init__(self, heads: nn.Module, step: Callable[..., StepOutput]) -> None:
         super().__init__()
         self.heads = heads
+        self.step = step
 
     def forward(
         self,
         input_ids: torch.Tensor,
         loss_mask: torch.Tensor,
         hidden: list[torch.Tensor | None],
-        lm_head_weight: torch.Tensor,
+        head: OutputHead,
         **step_kwargs,
     ) -> StepOutput:
-        """Arguments of `eagle_step` / `medusa_step` (chosen by the heads' kind), without the heads."""
-        step = medusa_step if isinstance(self.heads, MedusaHeads) else eagle_step
-        return step(self.heads, input_ids, loss_mask, hidden, lm_head_weight, **step_kwargs)
+        """Arguments of the step function, without the heads."""
+        return self.step(self.heads, input_ids, loss_mask, hidden, head, **step_kwargs)
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
@@ -75,23 +77,19 @@ def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.
     return mask[None, None]
 
 
-def _vocab_rows(heads, lm_head_weight: torch.Tensor) -> torch.Tensor:
-    """Rows of the target's lm_head for the heads' output vocabulary: [V', h]."""
+def target_logits(features_last: torch.Tensor, heads, head: OutputHead) -> torch.Tensor:
+    """The target's logits restricted to the heads' vocab: [B, T, V'] from post-norm features [B, T, h],
+    through the target's own output head (its softcap or logit scale included)."""
     vocab = getattr(heads, "draft_vocab", None)
-    return lm_head_weight if vocab is None else lm_head_weight[vocab.target_ids()]
-
-
-def target_logits(features_last: torch.Tensor, heads, lm_head_weight: torch.Tensor) -> torch.Tensor:
-    """The target's logits restricted to the heads' vocab: [B, T, V'] from post-norm features [B, T, h]."""
-    return features_last @ _vocab_rows(heads, lm_head_weight).T
+    return head.logits(features_last, None if vocab is None else vocab.target_ids())
 
 
 def eagle_step(
-    heads: EagleHead,
+    heads: nn.Module,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     hidden: list[torch.Tensor | None],
-    lm_head_weight: torch.Tensor,
+    head: OutputHead,
     *,
     ttt_steps: int,
     ttt_decay: float,
@@ -112,7 +110,7 @@ def eagle_step(
     n = T - 1
     tokens, f_in = input_ids[:, 1:], f[:, :-1]
     with torch.no_grad():
-        labels = target_logits(last[:, 1:], heads, lm_head_weight)  # [B, n, V']
+        labels = target_logits(last[:, 1:], heads, head)  # [B, n, V']
         feature_targets = last[:, 1:]
     # x_{i+2} must exist and be a trained-on token
     valid = torch.zeros(B, n, dtype=torch.bool, device=input_ids.device)
@@ -123,7 +121,7 @@ def eagle_step(
     masking = mask_out_of_vocab and vocab is not None
     with torch.no_grad():
         greedy = _greedy_target_ids(
-            labels, feature_targets, heads, lm_head_weight, exact_labels or masking, where=valid
+            labels, feature_targets, heads, head, exact_labels or masking, where=valid
         )
         target_probs = torch.softmax(labels.float(), dim=-1)
         if masking:
@@ -155,11 +153,11 @@ def eagle_step(
 
 
 def medusa_step(
-    heads: MedusaHeads,
+    heads: nn.Module,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     hidden: list[torch.Tensor | None],
-    lm_head_weight: torch.Tensor,
+    head: OutputHead,
     *,
     decay: float,
     hard_labels: bool = False,
@@ -171,7 +169,7 @@ def medusa_step(
     B, T = input_ids.shape
     K = heads.num_heads
     with torch.no_grad():
-        labels = target_logits(last, heads, lm_head_weight)  # [B, T, V']
+        labels = target_logits(last, heads, head)  # [B, T, V']
     loss = torch.zeros((), device=input_ids.device)
     metrics: dict[str, float] = {}
     hits = []
@@ -196,14 +194,14 @@ def medusa_step(
             loss = loss + decay**k * kl
             metrics[f"kl_{k}"] = float(kl.detach())
         with torch.no_grad():
-            greedy = _greedy_target_ids(target, last[:, shift:], heads, lm_head_weight, exact_labels)
+            greedy = _greedy_target_ids(target, last[:, shift:], heads, head, exact_labels)
             hits.append(DepthRanks(label_ranks(logits, greedy, heads.draft_vocab), v, offset=0))
     metrics["loss"] = float(loss.detach())
     return StepOutput(loss=loss, metrics=metrics, depths=hits)
 
 
 def _greedy_target_ids(
-    labels, features_last, heads, lm_head_weight, exact: bool, where: torch.Tensor | None = None
+    labels, features_last, heads, head: OutputHead, exact: bool, where: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The target's greedy next token as a target id [B, T'].
 
@@ -213,13 +211,13 @@ def _greedy_target_ids(
     the positions that need the exact token (the others keep the free one): the full-vocabulary
     projection took 22% of a short run's py-spy samples, and prompt and padding positions never use it."""
     if exact and where is None:
-        return projected_argmax(features_last, lm_head_weight)
+        return projected_argmax(features_last, head)
     ids = labels.argmax(-1)
     vocab = getattr(heads, "draft_vocab", None)
     ids = vocab.to_target(ids) if vocab is not None else ids
     if not exact:
         return ids
-    ids[where] = projected_argmax(features_last[where], lm_head_weight)
+    ids[where] = projected_argmax(features_last[where], head)
     return ids
 
 
@@ -228,17 +226,17 @@ PROJECTION_CHUNK_ELEMENTS = 1 << 25
 
 
 def projected_argmax(
-    features: torch.Tensor, weight: torch.Tensor, chunk_elements: int = PROJECTION_CHUNK_ELEMENTS
+    features: torch.Tensor, head: OutputHead, chunk_elements: int = PROJECTION_CHUNK_ELEMENTS
 ) -> torch.Tensor:
-    """argmax(features @ weight.T) over the last dim, computed in row chunks. features: [..., h], weight:
-    [V, h] -> LongTensor [...].
+    """argmax(head.logits(features)) over the last dim, computed in row chunks. features: [..., h],
+    head.weight: [V, h] -> LongTensor [...].
 
     The full-vocabulary logits of a whole micro-batch are never held at once: with a 151,936-token
     vocabulary, 32 x 1024 positions would take 20 GB in float32; a chunk keeps at most
     `chunk_elements` logits, whatever the vocabulary."""
     flat = features.reshape(-1, features.shape[-1])
-    rows = max(1, chunk_elements // weight.shape[0])
+    rows = max(1, chunk_elements // head.weight.shape[0])
     out = torch.empty(flat.shape[0], dtype=torch.long, device=features.device)
     for start in range(0, flat.shape[0], rows):
-        out[start : start + rows] = (flat[start : start + rows] @ weight.T).argmax(-1)
+        out[start : start + rows] = head.logits(flat[start : start + rows]).argmax(-1)
     return out.reshape(features.shape[:-1])

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from selfdraft.errors import UserError
-from selfdraft.heads import EagleHead, HeadsConfig, build_heads, load_heads
+from selfdraft.heads import HeadsConfig, build_heads, load_heads
 from selfdraft.precision import dtype_name
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
@@ -33,26 +32,28 @@ from selfdraft.training.batches import SampleStream, collate, split_lengths
 from selfdraft.training.config import (
     PRECISIONS,
     RunConfig,
+    check_paths,
     load_run_config,
     resolve_for_target,
     resolve_precision,
 )
 from selfdraft.training.distributed import init_distributed
-from selfdraft.training.feature_cache import HiddenStateCache, compute_features, normalize_layers
+from selfdraft.training.engine import TimeBudget, build_engine, fed_tokens
+from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, with_features
+from selfdraft.training.feature_cache import HiddenStateCache
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
+from selfdraft.training.output_head import check_output_head, output_head
 from selfdraft.training.prepare import (
     cache_ready,
+    check_cache_matches,
     feature_layers,
-    heldout_cache_dir,
     prepare_features,
     prepare_splits,
 )
 from selfdraft.training.simulate import simulated_tau
-from selfdraft.training.steps import DraftObjective, StepOutput
+from selfdraft.training.steps import StepOutput
+from selfdraft.training.strategies import Objective, objective_for
 from selfdraft.tree import TreeSpec
-from selfdraft.tree_syntax import resolve_tree
-
-EVAL_DEPTHS = 4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,73 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _check_init_from(config: RunConfig, heads, target) -> None:
-    """Heads continued from heads.init_from must be what the run config says: the same EAGLE layout
-    and the feature layers the run computes or caches."""
-    h, loaded = config.heads, heads.config
-    if loaded.head_kind != h.kind:
-        raise UserError(
-            f"heads.init_from {h.init_from} holds {loaded.head_kind} heads, but heads.kind is {h.kind!r}; "
-            "make them match"
-        )
-    if h.layout == "eagle3" and loaded.eagle_layout != "eagle3":
-        raise UserError(
-            f"heads.init_from {h.init_from} holds eagle_layout {loaded.eagle_layout!r} heads, which vLLM and "
-            "SGLang cannot serve, but heads.layout is eagle3; continue from EAGLE-3 heads or drop heads.layout"
-        )
-    if h.layout == "eagle3" and loaded.eagle_fc_bias:
-        raise UserError(
-            f"heads.init_from {h.init_from} has an fc bias, which vLLM and SGLang cannot serve; continue "
-            "from heads without one"
-        )
-    theirs = normalize_layers(target, loaded.feature_layers)
-    if h.kind == "eagle" and normalize_layers(target, h.feature_layers) != theirs:
-        raise UserError(
-            f"heads.init_from {h.init_from} reads target layers {loaded.feature_layers}, but "
-            f"heads.feature_layers is {h.feature_layers}; set heads.feature_layers: {loaded.feature_layers}, "
-            "or a list of several layers that includes it (the heads then learn to fuse them)"
-        )
-
-
-def _widen_init(config: RunConfig, heads, target):
-    """Heads continued from one target layer on a run that fuses several layers including it start
-    as those heads with the fusion picking that layer (`EagleHead.widened`); other heads as loaded."""
-    h = config.heads
-    if h.kind != "eagle" or not isinstance(heads, EagleHead) or heads.fuse is not None or not h.feature_layers:
-        return heads
-    ours = [normalize_layers(target, [layer])[0] for layer in h.feature_layers]
-    theirs = normalize_layers(target, heads.config.feature_layers)
-    if len(ours) < 2 or len(set(ours)) != len(ours) or theirs[0] not in ours:
-        return heads
-    return heads.widened(h.feature_layers, ours.index(theirs[0]))
-
-
-def _revocab_init(config: RunConfig, heads, train):
-    """Heads continued on a run whose heads.draft_vocab_size differs from theirs get a vocabulary of
-    that size rebuilt from the run's training tokens, keeping their trained rows for the tokens both
-    hold (`EagleHead.with_draft_vocab`); unset or equal sizes keep theirs."""
-    h = config.heads
-    size = h.draft_vocab_size
-    theirs = heads.config.draft_vocab_size if getattr(heads, "draft_vocab", None) is not None else None
-    if h.kind != "eagle" or not size or size == theirs:
-        return heads
-    if not isinstance(heads, EagleHead):
-        raise UserError(
-            f"heads.init_from {h.init_from} holds {type(heads).__name__} heads with draft vocabulary "
-            f"{theirs}, and heads.draft_vocab_size is {size}; only selfdraft-layout EAGLE heads can change "
-            f"their draft vocabulary: set heads.draft_vocab_size: {theirs}"
-        )
-    counts = count_tokens(train, heads.config.target_vocab_size)
-    return heads.with_draft_vocab(*build_draft_vocab(counts, size))
-
-
 def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
+    """The run's heads: continued from heads.init_from (checked and adapted by the kind's objective),
+    or new ones of the run config's shape, their projection and draft vocabulary from the target and
+    the training split."""
     h = config.heads
+    objective = objective_for(config)
     resolve_for_target(config, target.config)  # idempotent: `main` resolved it already
     if h.init_from:
-        heads = _widen_init(config, load_heads(h.init_from, target), target)
-        _check_init_from(config, heads, target)
-        return _revocab_init(config, heads, train)
+        return objective.continue_from(config, load_heads(h.init_from, target), target, train)
     heads_config = HeadsConfig.for_target(
         target.config,
         head_kind=h.kind,
@@ -142,7 +85,7 @@ def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
         medusa_num_layers=h.medusa_num_layers,
         medusa_own_lm_head=h.medusa_own_lm_head,
         eagle_fc_bias=h.fc_bias,
-        eagle_layout=h.layout if h.kind == "eagle" else "selfdraft",
+        eagle_layout=objective.layout,
     )
     torch.manual_seed(config.train.seed)  # identical initial heads on every rank
     heads = build_heads(heads_config).attach(target)
@@ -151,78 +94,6 @@ def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
         heads.draft_vocab.set_maps(*build_draft_vocab(counts, h.draft_vocab_size))
     heads.init_projection_from_target()
     return heads
-
-
-def deepspeed_config(config: RunConfig, world: int, dtype: torch.dtype) -> dict:
-    """The DeepSpeed JSON with the run's batch shape and precision filled in.
-
-    dtype (from train.precision) alone sets the mixed-precision mode, on CPU and GPU alike: bfloat16
-    turns on DeepSpeed's `bf16` mode (bf16 parameters and activations, fp32 master weights and
-    optimizer state); float32 turns it off. A JSON that asks for something else is refused."""
-    ds = json.loads(Path(config.deepspeed).read_text())
-    t = config.train
-    ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
-    ds["gradient_accumulation_steps"] = t.gradient_accumulation_steps
-    ds["train_batch_size"] = t.micro_batch_size * t.gradient_accumulation_steps * world
-    ds["gradient_clipping"] = t.grad_clip
-    ds.setdefault("steps_per_print", 10**9)
-    bf16 = dtype == torch.bfloat16
-    if ds.get("fp16", {}).get("enabled", False):
-        raise UserError(
-            f"{config.deepspeed}: fp16 is not supported; set train.precision (auto | bf16 | fp32)"
-        )
-    if "enabled" in ds.get("bf16", {}) and ds["bf16"]["enabled"] != bf16:
-        raise UserError(
-            f"{config.deepspeed} sets bf16.enabled={ds['bf16']['enabled']}, but train.precision "
-            f"{config.train.precision!r} resolves to {dtype}; drop bf16 from the JSON (train.precision owns it)"
-        )
-    ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16}
-    ds["fp16"] = {"enabled": False}
-    return ds
-
-
-def lr_lambda(
-    warmup: int, total: int, schedule: str = "cosine", time_fraction: Callable[[], float] = lambda: 0.0
-):
-    """LR multiplier by optimizer step: a linear warmup, then a cosine to 0.1 by `total` (or by the
-    end of the time budget, `time_fraction` in [0, 1], whichever comes first) or flat."""
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = max((step - warmup) / max(1, total - warmup), time_fraction())
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
-
-
-@dataclass
-class TimeBudget:
-    """train.max_minutes: training seconds so far (`before`: those of the runs resumed from) against
-    the budget. Rank 0's clock rules, broadcast once per step, so every rank takes the same lr and
-    stops at the same step."""
-
-    seconds: float | None
-    before: float = 0.0
-    elapsed: float = 0.0
-    start: float = field(default_factory=time.perf_counter)
-
-    def sync(self, device: torch.device, world: int) -> None:
-        now = self.before + time.perf_counter() - self.start
-        if self.seconds is not None and world > 1:  # a collective only where a budget is set
-            clock = torch.tensor([now], dtype=torch.float64, device=device)
-            dist.broadcast(clock, 0)
-            now = float(clock.item())
-        self.elapsed = now
-
-    def fraction(self) -> float:
-        return 0.0 if self.seconds is None else min(1.0, self.elapsed / self.seconds)
-
-    @property
-    def spent(self) -> bool:
-        return self.seconds is not None and self.elapsed >= self.seconds
 
 
 def grouping_lengths(config: RunConfig, train, examples) -> list[int] | None:
@@ -237,118 +108,6 @@ def grouping_lengths(config: RunConfig, train, examples) -> list[int] | None:
             "with `selfdraft prepare` or set train.length_grouping: 0"
         )
     return split_lengths(train)
-
-
-def hidden_list(features: dict[int, torch.Tensor], num_layers: int) -> list[torch.Tensor | None]:
-    out: list[torch.Tensor | None] = [None] * (num_layers + 1)
-    for layer, tensor in features.items():
-        out[layer] = tensor
-    return out
-
-
-def run_step(
-    config: RunConfig, model, batch: dict, target, ttt_steps: int | None = None, exact_labels: bool = False
-) -> StepOutput:
-    """One forward of the heads' objective. model: the DeepSpeed engine (training, evaluation) or a bare
-    `DraftObjective`; both return a `StepOutput`."""
-    hidden = hidden_list(batch["features"], target.config.num_hidden_layers)
-    lm_head_weight = target.get_output_embeddings().weight
-    t = config.train
-    if config.heads.kind == "medusa":
-        kwargs = {"decay": t.medusa_decay, "hard_labels": t.medusa_hard_labels}
-    else:
-        kwargs = {
-            "ttt_steps": ttt_steps or t.ttt_steps,
-            "ttt_decay": t.ttt_decay,
-            "feature_weight": t.feature_weight,
-            "ce_weight": t.ce_weight,
-            "mask_out_of_vocab": t.mask_out_of_vocab,
-        }
-    return model(
-        batch["input_ids"], batch["loss_mask"], hidden, lm_head_weight, exact_labels=exact_labels, **kwargs
-    )
-
-
-def with_features(batch: dict, target, layers: list[int], device, dtype: torch.dtype) -> dict:
-    """Put a batch on `device` with its features in `dtype` (the heads' compute dtype); a batch without
-    cached features gets them from the frozen target (the online path), already on its device."""
-    batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-    if "features" not in batch:
-        out = compute_features(target, batch["input_ids"], layers, attention_mask=batch["attention_mask"])
-        batch["features"] = out["features"]
-    batch["features"] = {k: v.to(device, dtype) for k, v in batch["features"].items()}
-    return batch
-
-
-def eval_depths(config: RunConfig, tree: TreeSpec) -> int:
-    """How many draft depths evaluation scores: the EAGLE unroll length, or the Medusa head count."""
-    if config.heads.kind == "medusa":
-        return config.heads.medusa_num_heads
-    return max(EVAL_DEPTHS, tree.max_depth, config.train.ttt_steps)
-
-
-@torch.no_grad()
-def evaluate(
-    config: RunConfig, model, heldout, target, layers, device, dtype, rank: int = 0, world: int = 1
-) -> dict:
-    """Held-out loss, top-1 accuracy per depth and simulated acceptance; a collective call.
-
-    Every rank calls it: batch k goes to rank k % world, results are summed with one all-reduce, and
-    every rank runs the same number of forwards (a rank short of a batch repeats its first one with
-    weight 0), because under ZeRO-3 each forward gathers the partitioned heads from all ranks. The
-    batches are the same for every world size, so the numbers do not depend on it.
-    """
-    rows = [heldout[i] for i in range(min(len(heldout), config.schedule.eval_examples))]
-    if not rows:
-        return {}
-    size = config.train.micro_batch_size
-    batches = [rows[at : at + size] for at in range(0, len(rows), size)]
-    tree = resolve_tree(config.schedule.eval_tree)
-    chain = TreeSpec.chain(EVAL_DEPTHS)
-    depth = eval_depths(config, tree)
-    # sums over batches: [weight, loss, tau_chain, tau_tree, top1 per depth..., batches per depth...]
-    totals = torch.zeros(4 + 2 * depth, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    for k in range(rank, math.ceil(len(batches) / world) * world, world):
-        weight = 1.0 if k < len(batches) else 0.0
-        batch = with_features(collate(batches[k if weight else 0]), target, layers, device, dtype)
-        out = run_step(config, model, batch, target, ttt_steps=depth, exact_labels=True)
-        accs, chain_tau = simulated_tau(out.depths, chain)
-        tree_tau = simulated_tau(out.depths, tree)[1]
-        totals[:4] += weight * torch.tensor(
-            [1.0, out.metrics["loss"], chain_tau, tree_tau], dtype=torch.float64
-        )
-        totals[4 : 4 + len(accs)] += weight * torch.tensor(accs, dtype=torch.float64)
-        totals[4 + depth : 4 + depth + len(accs)] += weight
-    model.train(was_training)
-    if world > 1:
-        reduced = totals.to(device)
-        dist.all_reduce(reduced)
-        totals = reduced.cpu()
-    n = float(totals[0])
-    return {
-        "eval_loss": float(totals[1]) / n,
-        "eval_top1_by_depth": [
-            float(totals[4 + j] / totals[4 + depth + j]) for j in range(depth) if totals[4 + depth + j] > 0
-        ],
-        "eval_simulated_tau_chain": float(totals[2]) / n,
-        "eval_simulated_tau_tree": float(totals[3]) / n,
-        "eval_tree": config.schedule.eval_tree,
-    }
-
-
-def heldout_examples(config: RunConfig, heldout, layers: list[int], dtype: torch.dtype):
-    """The held-out rows evaluation reads: their cached features when `selfdraft prepare` wrote them
-    (see `prepare.heldout_cache_dir`), else the rows themselves (features computed online)."""
-    folder = heldout_cache_dir(config)
-    if folder is None or len(heldout) == 0:
-        return heldout
-    try:
-        cache = HiddenStateCache(folder, dtype=dtype)
-    except (FileNotFoundError, ValueError):
-        return heldout
-    return cache if cache.holds(heldout) and cache.layers == layers else heldout
 
 
 class RunLog:
@@ -400,32 +159,73 @@ def check_finite(loss: torch.Tensor, step: int, output_dir: Path, device, world:
         )
 
 
-def main(argv=None) -> int:
-    import deepspeed
-
-    args = parse_args(argv)
+def worker_config(args: argparse.Namespace) -> RunConfig:
+    """The run config with the command line's overrides."""
     overrides: dict = {}
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
     train_overrides = {"max_steps": args.max_steps, "precision": args.precision}
     overrides["train"] = {k: v for k, v in train_overrides.items() if v is not None}
-    config = load_run_config(args.config, overrides)
-    rank, world, device = init_distributed()
-    if device.type == "cpu":
-        keep_freed_memory()
-    output_dir = Path(config.output_dir)
-    dtype = resolve_precision(config.train.precision, device)  # target, features and heads' compute
-    target, tokenizer = load_target(config.target, dtype=dtype, device=device)
-    resolve_for_target(config, target.config)  # eagle3: default layers / draft vocab, checked on the target
-    layers = feature_layers(config, target)
+    return load_run_config(args.config, overrides)
 
-    precision = dtype_name(dtype)
-    lock = ckpt.hold_run_lock(output_dir) if rank == 0 else None  # noqa: F841 - held until exit
-    meta = ckpt.run_meta(config.fingerprint(), world, precision)
-    ckpt.check_meta(output_dir, meta, args.resume)
-    dist.barrier()
+
+@dataclass
+class Run:
+    """What the training loop reads, fixed once the run has started (see `start_run`)."""
+
+    config: RunConfig
+    objective: Objective
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+    target: torch.nn.Module
+    layers: list[int]
+    examples: Any  # the training split, or its feature cache
+    heldout: Any  # the held-out split, or its feature cache
+    engine: Any  # DeepSpeed's engine around `DraftObjective(heads)`
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    stream: SampleStream
+    total: int  # optimizer steps the run trains for (train.max_steps or epochs)
+    budget: TimeBudget
+    zero_stage: int
+    log: RunLog | None = None
+    lock: Any = None  # rank 0's writer lock on the run folder, held as long as the run
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.output_dir)
+
+
+@dataclass
+class Progress:
+    """What changes from step to step; `step` and `tokens_before` come back from a checkpoint."""
+
+    step: int = 0
+    tokens_before: int = 0  # tokens fed (every rank) before this process started
+    tokens_seen: int = 0  # this rank's tokens since then
+    fed_last: int = 0  # tokens fed at the last count
+    started: float = 0.0  # perf_counter at the first step of this process
+    lr: float = 0.0  # the learning rate the last step ran at
+
+
+def claim_run_folder(config: RunConfig, resume: bool, rank: int, world: int, precision: str):
+    """Refuse a folder of another run (or a fresh start over checkpoints) on every rank; returns
+    (this run's meta, the stored one a resume continues or None, rank 0's writer lock held until exit).
+    Rank 0 records the meta once the data is known (`record_run`)."""
+    output_dir = Path(config.output_dir)
+    lock = ckpt.hold_run_lock(output_dir) if rank == 0 else None
+    meta = ckpt.run_meta(config.fingerprint(), world, precision, config.settings())
+    ckpt.check_meta(output_dir, meta, resume)
+    stored = ckpt.read_meta(output_dir) if resume and ckpt.latest_tag(output_dir) else None
+    dist.barrier()  # every rank has read run.json before rank 0 rewrites it
+    return meta, stored, lock
+
+
+def load_splits(config: RunConfig, config_path: str, target, tokenizer, rank: int, world: int):
+    """(train, heldout) splits: rank 0 builds them (and, alone, a missing feature cache), the other
+    ranks read what it built."""
     if rank == 0:
-        ckpt.write_meta(output_dir, meta)
         train, heldout = prepare_splits(config, tokenizer)
         if (
             config.data.feature_cache
@@ -438,177 +238,282 @@ def main(argv=None) -> int:
     if rank != 0:
         train, heldout = prepare_splits(config, tokenizer)
     if config.data.feature_cache and not config.data.partial_cache and not cache_ready(config):
-        raise RuntimeError(
-            f"feature cache {config.data.feature_cache} is incomplete; run `selfdraft prepare --config "
-            f"{args.config}` first (it resumes where it stopped)"
-        )
-    examples = (
-        HiddenStateCache(config.data.feature_cache, allow_partial=config.data.partial_cache, dtype=dtype)
-        if config.data.feature_cache
-        else train
-    )
-    if isinstance(examples, HiddenStateCache) and not set(layers) <= set(examples.layers):
         raise UserError(
-            f"feature cache {config.data.feature_cache} holds target layers {examples.layers}, but this run "
+            f"feature cache {config.data.feature_cache} is incomplete; run `selfdraft prepare --config "
+            f"{config_path}` first (it resumes where it stopped)"
+        )
+    return train, heldout
+
+
+def training_examples(config: RunConfig, train, layers: list[int], dtype: torch.dtype, stored: dict | None):
+    """What the heads train on: the feature cache when the run names one, else the split itself. A
+    partial cache serves the shards finished when the run started, also on resume (`stored`: the
+    resumed run's meta), so the sample order stays the same while more shards finish."""
+    if not config.data.feature_cache:
+        return train
+    only = (stored or {}).get("cache_shards") if config.data.partial_cache else None
+    cache = HiddenStateCache(
+        config.data.feature_cache, allow_partial=config.data.partial_cache, dtype=dtype, only=only
+    )
+    if not set(layers) <= set(cache.layers):
+        raise UserError(
+            f"feature cache {config.data.feature_cache} holds target layers {cache.layers}, but this run "
             f"reads {layers} (heads.feature_layers / heads.layout); set data.feature_cache to a new folder"
         )
-    heldout = heldout_examples(config, heldout, layers, dtype)
+    check_cache_matches(config, cache, train)
+    return cache
 
+
+def record_run(config: RunConfig, meta: dict, examples, rank: int) -> None:
+    """Rank 0 writes run.json: the meta a resume checks, and the feature-cache shards the run reads."""
+    if rank != 0:
+        return
+    if isinstance(examples, HiddenStateCache):
+        meta = {**meta, "cache_shards": examples.shard_names}
+    ckpt.write_meta(Path(config.output_dir), meta)
+
+
+def start_run(args: argparse.Namespace, config: RunConfig) -> Run:
+    """Everything before the first step: target, run folder, data, heads and the engine."""
+    objective = objective_for(config)
+    rank, world, device = init_distributed()
+    if device.type == "cpu":
+        keep_freed_memory()
+    dtype = resolve_precision(config.train.precision, device)  # target, features and heads' compute
+    target, tokenizer = load_target(config.target, dtype=dtype, device=device)
+    check_output_head(target, output_head(target))  # the soft labels must be the target's own logits
+    resolve_for_target(config, target.config)  # eagle3: default layers / draft vocab, checked on the target
+    layers = feature_layers(config, target)
+    meta, stored, run_lock = claim_run_folder(config, args.resume, rank, world, dtype_name(dtype))
+    train, heldout = load_splits(config, args.config, target, tokenizer, rank, world)
+    examples = training_examples(config, train, layers, dtype, stored)
+    record_run(config, meta, examples, rank)
+    heldout = heldout_examples(config, heldout, layers, dtype)
     heads = build_run_heads(config, target, train).to(device)
+    t = config.train
     stream = SampleStream(
         len(examples),
-        config.train.seed,
+        t.seed,
         world,
         rank,
-        config.train.micro_batch_size,
+        t.micro_batch_size,
         grouping_lengths(config, train, examples),
-        config.train.length_grouping,
+        t.length_grouping,
     )
-    accum = config.train.gradient_accumulation_steps
-    total = config.train.max_steps or max(1, int(config.train.epochs * stream.steps_per_epoch(accum)))
-    optimizer = torch.optim.AdamW(
-        [p for p in heads.parameters() if p.requires_grad],
-        lr=config.train.lr,
-        weight_decay=config.train.weight_decay,
-    )
-    budget = TimeBudget(None if config.train.max_minutes is None else 60.0 * config.train.max_minutes)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(config.train.warmup_steps, total, config.train.lr_schedule, budget.fraction)
-    )
-    ds_config = deepspeed_config(config, world, dtype)
-    engine, _, _, _ = deepspeed.initialize(
-        model=DraftObjective(heads), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-    )
-    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    total = t.max_steps or max(1, int(t.epochs * stream.steps_per_epoch(t.gradient_accumulation_steps)))
+    engine, scheduler, budget, zero_stage = build_engine(config, objective, heads, total, world, dtype)
+    run = Run(
+        config, objective, rank, world, device, dtype, target, layers, examples, heldout, engine, scheduler,
+        stream, total, budget, zero_stage,
+    )  # fmt: skip
+    run.lock = run_lock
+    return run
 
-    step = 0
-    tokens_before = 0
-    tag = ckpt.latest_tag(output_dir) if args.resume else None
+
+def resume(run: Run, resume: bool) -> Progress:
+    """The progress of the newest whole checkpoint (`ckpt.latest_tag`, loaded into the engine), or a
+    fresh start."""
+    progress = Progress()
+    tag = ckpt.latest_tag(run.output_dir) if resume else None
     if tag:
-        _, client = engine.load_checkpoint(str(output_dir / "checkpoints"), tag=tag)
-        step = int(client["step"])
-        tokens_before = int(client.get("tokens_fed", 0))  # 0: a checkpoint written before it was kept
-        budget.before = budget.elapsed = float(client.get("train_seconds", 0.0))
-    log = RunLog(output_dir, rank == 0)
-    log.write(
+        _, client = run.engine.load_checkpoint(str(run.output_dir / "checkpoints"), tag=tag)
+        progress.step = int(client["step"])
+        # 0: a checkpoint written before tokens_fed was kept
+        progress.tokens_before = int(client.get("tokens_fed", 0))
+        run.budget.before = run.budget.elapsed = float(client.get("train_seconds", 0.0))
+    progress.fed_last = progress.tokens_before
+    run.log = RunLog(run.output_dir, run.rank == 0)
+    run.log.write(
         {
-            "step": step,
+            "step": progress.step,
             "event": "start" if not tag else "resume",
-            "world_size": world,
-            "total_steps": total,
-            "examples": len(examples),
-            "precision": precision,
-            "device": str(device),
-            "eval_features": "cached" if isinstance(heldout, HiddenStateCache) else "online",
+            "world_size": run.world,
+            "total_steps": run.total,
+            "examples": len(run.examples),
+            "precision": dtype_name(run.dtype),
+            "device": str(run.device),
+            "eval_features": "cached" if isinstance(run.heldout, HiddenStateCache) else "online",
             "time": time.time(),
         }
     )
-    bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0, unit="step")
-    tokens_seen = 0
-    snapshots = sorted(set(config.schedule.snapshot_tokens))
-    fed_last = tokens_before
-    t_start = budget.start = time.perf_counter()
-    last = step >= total or budget.spent
-    while not last:
-        metrics: dict[str, float] = {}
-        for micro in range(accum):
-            batch = with_features(
-                collate([examples[i] for i in stream.micro_batch(step * accum + micro)]),
-                target,
-                layers,
-                device,
-                dtype,
-            )
-            out = run_step(config, engine, batch, target)  # through the engine: ZeRO hooks, accumulation
-            check_finite(out.loss, step + 1, output_dir, device, world)
-            engine.backward(out.loss)
-            engine.step()
-            tokens_seen += int(batch["attention_mask"].sum())
-            metrics = out.metrics
-        step += 1
-        budget.sync(device, world)
-        last = step >= total or budget.spent
-        accs, _ = simulated_tau(out.depths, TreeSpec.chain(len(out.depths)))
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{accs[0] if accs else 0:.2f}")
-        bar.update(1)
-        log_now = step % config.schedule.log_every == 0 or last
-        save_now = step % config.schedule.save_every == 0 or last
-        # a collective when world > 1: only on the steps that use the count (same on every rank)
-        fed = fed_tokens(tokens_before, tokens_seen, device, world) if snapshots or log_now or save_now else fed_last
-        if log_now:
-            elapsed = time.perf_counter() - t_start
-            log.write(
-                {
-                    "step": step,
-                    "loss": metrics["loss"],
-                    "top1_by_depth": accs,
-                    "lr": scheduler.get_last_lr()[0],
-                    "tokens_per_s_rank": tokens_seen / elapsed,
-                    "tokens_fed": fed,
-                    "world_size": world,
-                }
-            )
-        reached = [n for n in snapshots if fed_last < n <= fed]
-        scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world) if reached else {}
-        for n in reached:  # each with its held-out scores: `selfdraft compare` draws the curve from them
-            dest = output_dir / "snapshots" / f"tokens-{n}"
-            dest.parent.mkdir(exist_ok=True)
-            ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage, dest=dest)
-            log.write({"step": step, "event": "snapshot", "path": str(dest), "tokens_fed": fed, **scores})
-        fed_last = fed
-        # evaluation and saving are collective (every rank, same order): under ZeRO-3 both gather the
-        # heads' partitioned parameters from all ranks
-        if step % config.schedule.eval_every == 0 or last:
-            scores = evaluate(config, engine, heldout, target, layers, device, dtype, rank, world)
-            log.write({"step": step, **scores})
-        if save_now:
-            save_tag = f"step-{step:07d}"
+    return progress
 
-            def save(save_tag: str = save_tag, step: int = step, fed: int = fed) -> None:
-                engine.save_checkpoint(
-                    str(output_dir / "checkpoints"),
-                    tag=save_tag,
-                    client_state={
-                        "step": step,
-                        "fingerprint": config.fingerprint(),
-                        "tokens_fed": fed,
-                        "train_seconds": budget.elapsed,  # train.max_minutes counts resumed runs' too
-                    },
-                )
-                ckpt.export_heads(engine, engine.module.heads, output_dir, rank, zero_stage)
 
-            # every rank checks the same folder, so all of them stop or all of them save (collective)
-            ckpt.save_with_space_check(save, output_dir, save_tag, ckpt.checkpoint_bytes(engine.module.heads))
-            if rank == 0:
-                ckpt.prune_checkpoints(output_dir, config.schedule.keep_checkpoints)
-                log.write({"step": step, "event": "checkpoint"})
-            dist.barrier()
-    bar.close()
-    stop = {"stopped": "max_minutes"} if step < total else {}
-    log.write({"step": step, "event": "done", "train_seconds": time.perf_counter() - t_start, **stop})
-    ckpt.write_rank_report(output_dir, rank, world, step, engine.module.heads, zero_stage)
+def train_step(run: Run, progress: Progress) -> StepOutput:
+    """One optimizer step: gradient_accumulation_steps micro-steps through the engine (ZeRO hooks,
+    accumulation); returns the last micro-step's output."""
+    accum = run.config.train.gradient_accumulation_steps
+    progress.lr = run.scheduler.get_last_lr()[0]  # this step's: the engine steps the schedule after it
+    for micro in range(accum):
+        rows = [run.examples[i] for i in run.stream.micro_batch(progress.step * accum + micro)]
+        batch = with_features(collate(rows), run.target, run.layers, run.device, run.dtype)
+        out = run_step(run.config, run.objective, run.engine, batch, run.target)
+        check_finite(out.loss, progress.step + 1, run.output_dir, run.device, run.world)
+        run.engine.backward(out.loss)
+        run.engine.step()
+        progress.tokens_seen += int(batch["attention_mask"].sum())
+    progress.step += 1
+    return out
+
+
+def scores(run: Run) -> dict:
+    """Held-out scores of the heads now (collective: every rank, same order)."""
+    c = run.config
+    return evaluate(c, run.objective, run.engine, run.heldout, run.target, run.layers, run.device, run.dtype,
+                    run.rank, run.world)  # fmt: skip
+
+
+def keep_snapshots(run: Run, progress: Progress, fed: int) -> None:
+    """Heads kept where the tokens fed first reach a schedule.snapshot_tokens count, each with its
+    held-out scores: `selfdraft compare` draws the curve from them."""
+    reached = [n for n in sorted(set(run.config.schedule.snapshot_tokens)) if progress.fed_last < n <= fed]
+    held_out = scores(run) if reached else {}
+    for n in reached:
+        dest = run.output_dir / "snapshots" / f"tokens-{n}"
+        dest.parent.mkdir(exist_ok=True)
+        ckpt.export_heads(
+            run.engine, run.engine.module.heads, run.output_dir, run.rank, run.zero_stage, dest=dest
+        )
+        run.log.write(
+            {"step": progress.step, "event": "snapshot", "path": str(dest), "tokens_fed": fed, **held_out}
+        )
+
+
+def save(run: Run, step: int, fed: int) -> None:
+    """A checkpoint of the engine and the heads/ export (collective: every rank checks the same folder,
+    so all of them stop or all of them save)."""
+    tag = f"step-{step:07d}"
+
+    def write() -> None:
+        run.engine.save_checkpoint(
+            str(run.output_dir / "checkpoints"),
+            tag=tag,
+            save_latest=False,  # DeepSpeed writes it before every rank has finished: `mark_latest`
+            client_state={
+                "step": step,
+                "fingerprint": run.config.fingerprint(),
+                "tokens_fed": fed,
+                "train_seconds": run.budget.elapsed,  # train.max_minutes counts resumed runs' too
+            },
+        )
+        ckpt.export_heads(run.engine, run.engine.module.heads, run.output_dir, run.rank, run.zero_stage)
+
+    ckpt.save_with_space_check(write, run.output_dir, tag, ckpt.checkpoint_bytes(run.engine.module.heads))
+    dist.barrier()  # every rank's files are written: only now may `latest` name the tag
+    if run.rank == 0:
+        ckpt.mark_latest(run.output_dir, tag)
+        ckpt.prune_checkpoints(run.output_dir, run.config.schedule.keep_checkpoints)
+        run.log.write({"step": step, "event": "checkpoint"})
     dist.barrier()
+
+
+def describe_scores(step: int, held_out: dict) -> str:
+    """One progress line of held-out scores (`evaluate`'s dict)."""
+    top1 = " ".join(f"{a:.3f}" for a in held_out["eval_top1_by_depth"])
+    return (
+        f"step {step} held-out: loss {held_out['eval_loss']:.4f}, top-1 by depth {top1}, simulated tau "
+        f"chain {held_out['eval_simulated_tau_chain']:.2f} / tree {held_out['eval_tree']} "
+        f"{held_out['eval_simulated_tau_tree']:.2f}"
+    )
+
+
+def after_step(run: Run, progress: Progress, out: StepOutput, last: bool) -> None:
+    """Log, keep snapshots, evaluate and save as the schedule asks (collective calls in the same
+    order on every rank: under ZeRO-3 evaluation and saving gather the heads' parameters)."""
+    schedule, step = run.config.schedule, progress.step
+    accs, _ = simulated_tau(out.depths, TreeSpec.chain(len(out.depths)))
+    log_now = step % schedule.log_every == 0 or last
+    save_now = step % schedule.save_every == 0 or last
+    # a collective when world > 1: only on the steps that use the count (same on every rank)
+    counted = schedule.snapshot_tokens or log_now or save_now
+    fed = progress.fed_last
+    if counted:
+        fed = fed_tokens(progress.tokens_before, progress.tokens_seen, run.device, run.world)
+    if log_now:
+        run.log.write(
+            {
+                "step": step,
+                "loss": out.metrics["loss"],
+                "top1_by_depth": accs,
+                "lr": progress.lr,
+                "tokens_per_s_rank": progress.tokens_seen / (time.perf_counter() - progress.started),
+                "tokens_fed": fed,
+                "world_size": run.world,
+            }
+        )
+    keep_snapshots(run, progress, fed)
+    progress.fed_last = fed
+    if step % schedule.eval_every == 0 or last:
+        held_out = scores(run)
+        run.log.write({"step": step, **held_out})
+        if run.rank == 0 and held_out:
+            tqdm.write(describe_scores(step, held_out), file=sys.stderr)
+    if save_now:
+        save(run, step, fed)
+
+
+def train_loop(run: Run, progress: Progress) -> None:
+    """Steps until train.max_steps / epochs or the time budget, whichever ends first."""
+    bar = tqdm(total=run.total, initial=progress.step, desc="train", disable=run.rank != 0, unit="step")
+    progress.started = run.budget.start = time.perf_counter()
+    last = progress.step >= run.total or run.budget.spent
+    while not last:
+        out = train_step(run, progress)
+        run.budget.sync(run.device, run.world)
+        last = progress.step >= run.total or run.budget.spent
+        accs, _ = simulated_tau(out.depths, TreeSpec.chain(len(out.depths)))
+        bar.set_postfix(loss=f"{out.metrics['loss']:.3f}", acc0=f"{accs[0] if accs else 0:.2f}")
+        bar.update(1)
+        after_step(run, progress, out, last)
+    bar.close()
+
+
+def finish(run: Run, progress: Progress) -> None:
+    stop = {"stopped": "max_minutes"} if progress.step < run.total else {}
+    seconds = time.perf_counter() - progress.started
+    run.log.write({"step": progress.step, "event": "done", "train_seconds": seconds, **stop})
+    ckpt.write_rank_report(
+        run.output_dir, run.rank, run.world, progress.step, run.engine.module.heads, run.zero_stage
+    )
+    dist.barrier()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    config = worker_config(args)
+    check_paths(config)  # before the target loads: one line per missing file
+    run = start_run(args, config)
+    progress = resume(run, args.resume)
+    train_loop(run, progress)
+    finish(run, progress)
     return 0
 
 
-def fed_tokens(before: int, local: int, device: torch.device, world: int) -> int:
-    """Tokens (attention-mask ones) every rank has fed the heads since the run began: `before` came
-    from the checkpoint resumed, `local` is this rank's count since then (collective when world > 1)."""
-    if world == 1:
-        return before + local
-    count = torch.tensor([local], dtype=torch.int64, device=device)
-    dist.all_reduce(count)
-    return before + int(count.item())
+def lost_peer(err: BaseException) -> bool:
+    """Whether an error is a collective failing because another rank stopped (killed or crashed)."""
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or any(
+        mark in text for mark in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    )
 
 
 def run_worker(argv=None) -> int:
-    """The worker's entry: a user error is one line on stderr and exit status 2, as in the CLI."""
+    """The worker's entry: a user error is one line on stderr and exit status 2, as in the CLI; a rank
+    that loses another one (killed, crashed) says so in one line and exits 1, Ctrl-C exits 130 quietly
+    (the launcher then says how to resume)."""
+    rank = os.environ.get("RANK", "0")
     try:
         return main(argv)
     except UserError as err:
-        rank = os.environ.get("RANK", "0")
         print(f"selfdraft train (rank {rank}): {err}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise
+        print(f"selfdraft train (rank {rank}): another rank stopped; stopping too", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from selfdraft.corpora import HUMANEVAL_FIRST_TRAINING_TASK, load_source
 from selfdraft.training.objectives import build_draft_vocab
+from selfdraft.training.output_head import OutputHead
 from selfdraft.training.steps import projected_argmax
 from selfdraft.training.vocab_coverage import spread, top_k_coverage
 
@@ -36,11 +37,11 @@ def test_projected_argmax_is_exact_in_bounded_chunks():
     features, weight = torch.randn(2, 11, 16), torch.randn(50, 16)
     expected = (features @ weight.T).argmax(-1)
     with MatmulSizes() as sizes:
-        got = projected_argmax(features, weight, chunk_elements=150)  # 3 rows of 50 logits per chunk
+        got = projected_argmax(features, OutputHead(weight), chunk_elements=150)  # 3 rows of 50 logits per chunk
     assert torch.equal(got, expected) and got.shape == (2, 11)
     assert max(sizes.sizes) <= 150 and sum(sizes.sizes) == 22 * 50
-    assert torch.equal(projected_argmax(features, weight, chunk_elements=10), expected)  # 1 row at least
-    assert torch.equal(projected_argmax(features[0, :0], weight), torch.empty(0, dtype=torch.long))
+    assert torch.equal(projected_argmax(features, OutputHead(weight), chunk_elements=10), expected)  # 1 row at least
+    assert torch.equal(projected_argmax(features[0, :0], OutputHead(weight)), torch.empty(0, dtype=torch.long))
 
 
 def test_top_k_coverage_measures_the_vocabulary_a_run_builds():
@@ -81,8 +82,9 @@ def test_humaneval_training_prompts_skip_every_benchmarked_task():
     used = []
     for path in [*ROOT.glob("configs/bench/*.yaml"), *ROOT.glob("configs/train/**/*.yaml")]:
         text = path.read_text()
-        used += re.findall(r"humaneval(?::\d+)?(?::skip=\d+)?", text)
-        if path.parent.name == "bench":
-            used += [p for p in yaml.safe_load(text).get("prompts", []) if p.startswith("humaneval")]
+        used += re.findall(r"humaneval:\d+(?::skip=\d+)?", text)  # prompt specs in commands and comments
+        config = yaml.safe_load(text) or {}
+        listed = config.get("prompts", []) + (config.get("data") or {}).get("sources", [])
+        used += [p for p in listed if re.fullmatch(r"humaneval(:.*)?", p)]  # a bare `humaneval` is all 164
     assert used, "no benchmark prompt set found"
     assert max(max(_humaneval_tasks_in(spec), default=0) for spec in set(used)) < HUMANEVAL_FIRST_TRAINING_TASK

@@ -58,3 +58,50 @@ def test_killing_the_launcher_stops_torchrun_and_workers(tmp_path, text_run):
     finally:
         for pid in processes_mentioning(str(path)):
             os.kill(pid, signal.SIGKILL)
+
+
+def _rank_pids(marker: str, rank: str) -> list[int]:
+    """Worker pids of this test's run with RANK=`rank` in their environment."""
+    found = []
+    for pid in processes_mentioning(marker):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + rank.encode() in env:
+            found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_rank_ends_in_one_line_with_the_resume_command(tmp_path, text_run):
+    """kill -9 of rank 1 mid-run: no gloo traceback, no ChildFailedError report; the launcher's last
+    line names the rank, the signal, the last checkpoint and the exact command to continue."""
+    path = text_run(train={"max_steps": 100000}, schedule={"save_every": 3, "eval_every": 100000})
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "selfdraft.scripts.cli", "train", "--config", str(path), "--nproc", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not (run / "checkpoints" / "latest").is_file():
+            time.sleep(0.5)
+        assert (run / "checkpoints" / "latest").is_file(), "no checkpoint was written"
+        victims = _rank_pids(str(path), "1")
+        assert victims, "rank 1 not found"
+        os.kill(victims[0], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        for pid in processes_mentioning(str(path)):
+            os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert "Traceback" not in err and "ChildFailedError" not in err and "Connection reset" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("selfdraft train: rank 1 was killed (SIGKILL); the last checkpoint is step-"), last
+    assert last.endswith(f"continue with: selfdraft train --config {path} --nproc 2 --resume"), last

@@ -169,6 +169,7 @@ def test_out_of_draft_vocab_positions_get_no_loss_but_count_as_misses():
     """With mask_out_of_vocab, a position whose target greedy token the draft vocabulary lacks adds
     nothing to the loss (same loss as masking it out of the data by hand) and still scores as a miss."""
     from selfdraft.heads import HeadsConfig, build_heads
+    from selfdraft.training.output_head import output_head
     from selfdraft.training.steps import eagle_step
 
     from tiny_models import tiny_target
@@ -190,12 +191,12 @@ def test_out_of_draft_vocab_positions_get_no_loss_but_count_as_misses():
     oov = greedy % 2 == 0
     assert 0 < int(oov[:, :-1].sum()) < oov[:, :-1].numel()
     kwargs = dict(ttt_steps=2, ttt_decay=0.8, feature_weight=0.1, ce_weight=1.0)
-    masked = eagle_step(heads, ids, torch.ones_like(ids), hidden, target.lm_head.weight,
+    masked = eagle_step(heads, ids, torch.ones_like(ids), hidden, output_head(target),
                         mask_out_of_vocab=True, **kwargs)  # fmt: skip
     by_hand_mask = torch.ones_like(ids)
     by_hand_mask[:, 2:] = (~oov[:, :-1]).long()
-    by_hand = eagle_step(heads, ids, by_hand_mask, hidden, target.lm_head.weight, **kwargs)
-    unmasked = eagle_step(heads, ids, torch.ones_like(ids), hidden, target.lm_head.weight, **kwargs)
+    by_hand = eagle_step(heads, ids, by_hand_mask, hidden, output_head(target), **kwargs)
+    unmasked = eagle_step(heads, ids, torch.ones_like(ids), hidden, output_head(target), **kwargs)
     assert masked.loss.item() == pytest.approx(by_hand.loss.item(), rel=1e-5)
     assert masked.loss.item() != pytest.approx(unmasked.loss.item(), rel=1e-3)
     assert masked.metrics["out_of_vocab"] == pytest.approx(oov[:, :-1].float().mean().item())
@@ -211,6 +212,7 @@ def test_exact_greedy_ids_only_where_asked():
     from types import SimpleNamespace
 
     from selfdraft.heads.projection import DraftVocab
+    from selfdraft.training.output_head import OutputHead
     from selfdraft.training.steps import _greedy_target_ids
 
     torch.manual_seed(0)
@@ -224,6 +226,6 @@ def test_exact_greedy_ids_only_where_asked():
     full = (features @ weight.T).argmax(-1)
     free = vocab.to_target(labels.argmax(-1))
     assert (full != free).any()  # some greedy tokens are odd: outside the draft vocabulary
-    ids = _greedy_target_ids(labels, features, heads, weight, exact=True, where=where)
+    ids = _greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True, where=where)
     assert torch.equal(ids[where], full[where]) and torch.equal(ids[~where], free[~where])
-    assert torch.equal(_greedy_target_ids(labels, features, heads, weight, exact=True), full)
+    assert torch.equal(_greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True), full)

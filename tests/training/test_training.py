@@ -233,8 +233,8 @@ def test_constant_lr_run_keeps_snapshots_along_the_way(tmp_path, tiny_target_dir
     config.write_text(yaml.safe_dump(cfg))
     run = train_in_one_process(config)
     log = read_log(run)
-    # logged after each step's scheduler step: the warmup's last third, then flat (cosine would decay)
-    assert [r["lr"] for r in log if "lr" in r] == pytest.approx([0.01 * 2 / 3] + [0.01] * 5)
+    # the lr each step ran at: the warmup's thirds, then flat (cosine would decay)
+    assert [r["lr"] for r in log if "lr" in r] == pytest.approx([0.01 / 3, 0.01 * 2 / 3] + [0.01] * 4)
     fed = {r["step"]: r["tokens_fed"] for r in log if "loss" in r}
     assert all(fed[s] < fed[s + 1] for s in range(1, 6))
     at = next(s for s in range(1, 7) if fed[s] >= 400)
@@ -261,7 +261,7 @@ def test_constant_lr_run_keeps_snapshots_along_the_way(tmp_path, tiny_target_dir
 def test_time_budget_ends_the_cosine_and_stops_where_it_saves(tmp_path, tiny_target_dir):
     """train.max_minutes: the run stops at the first step past the budget (long before max_steps),
     evaluates and saves there; a resume finds the budget spent and trains no further."""
-    from selfdraft.training.train import TimeBudget, lr_lambda
+    from selfdraft.training.engine import TimeBudget, lr_lambda
 
     budget = TimeBudget(seconds=100.0)
     f = lr_lambda(2, 1000, "cosine", budget.fraction)

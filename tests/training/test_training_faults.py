@@ -25,7 +25,8 @@ def test_non_finite_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path)
     from selfdraft.training.train import DivergedError, check_finite
 
     (tmp_path / "checkpoints" / "step-0000040").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "latest").write_text("step-0000040")  # as DeepSpeed writes it
+    torch.save({}, tmp_path / "checkpoints" / "step-0000040" / "mp_rank_00_model_states.pt")  # a whole save
+    (tmp_path / "checkpoints" / "latest").write_text("step-0000040")
     check_finite(torch.tensor(2.5), 41, tmp_path, "cpu", 1)  # a finite loss passes
     for bad in (float("nan"), float("inf")):
         with pytest.raises(DivergedError, match=r"diverged at step 41.*step-0000040.*lower train.lr"):

@@ -54,7 +54,7 @@ def _yaml(tmp_path: Path, text: str) -> Path:
 
 def test_deepspeed_mixed_precision_follows_the_run_precision(tmp_path):
     from selfdraft.errors import UserError
-    from selfdraft.training.train import deepspeed_config
+    from selfdraft.training.engine import deepspeed_config
 
     config = RunConfig(deepspeed=str(ROOT / "configs/deepspeed/zero3.json"))
     on = deepspeed_config(config, 2, torch.bfloat16)  # on CPU too: fp32 master weights, bf16 compute
@@ -122,19 +122,20 @@ def test_features_keep_the_compute_dtype(tmp_path):
 
 def test_bf16_step_reduces_the_loss_in_float32():
     from selfdraft.heads import HeadsConfig, build_heads
-    from selfdraft.training.steps import DraftObjective
+    from selfdraft.training.output_head import output_head
+    from selfdraft.training.steps import DraftObjective, eagle_step
 
     from tiny_models import tiny_target
 
     target = tiny_target().to(torch.bfloat16)
     heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
-    objective = DraftObjective(heads.to(torch.bfloat16))
+    objective = DraftObjective(heads.to(torch.bfloat16), eagle_step)
     ids = torch.randint(0, target.config.vocab_size, (2, 12))
     with torch.no_grad():
         hidden = list(target(ids, output_hidden_states=True).hidden_states)
     assert hidden[-1].dtype == torch.bfloat16
     out = objective(
-        ids, torch.ones_like(ids), hidden, target.lm_head.weight,
+        ids, torch.ones_like(ids), hidden, output_head(target),
         ttt_steps=2, ttt_decay=0.8, feature_weight=0.1, ce_weight=1.0,
     )  # fmt: skip
     assert isinstance(out, tuple) and out.loss.dtype == torch.float32 and math.isfinite(out.metrics["loss"])

@@ -1,0 +1,114 @@
+"""Resuming: only a whole checkpoint is trusted, a finished run can be extended (steps, minutes,
+epochs) while a change of the math is refused naming the key, and the progress output shows what the
+log holds (the lr each step ran at, held-out scores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfdraft.training import checkpoint as ckpt
+from selfdraft.training.config import RunConfig
+
+
+def _worker(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, "-m", "selfdraft.training.train", "--config", str(config), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _log(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def _tag(folder: Path, world: int, zero: bool = True) -> Path:
+    """A DeepSpeed-shaped tag folder: model states, and one ZeRO optimizer file per rank."""
+    folder.mkdir(parents=True)
+    torch.save({"module": torch.ones(3)}, folder / "mp_rank_00_model_states.pt")
+    for rank in range(world if zero else 0):
+        torch.save({"state": torch.ones(3)}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return folder
+
+
+def test_only_a_whole_checkpoint_is_trusted(tmp_path):
+    """A kill between rank 0 writing `latest` and the other ranks finishing leaves `latest` naming a
+    tag with a rank's file missing or cut short: the resume takes the newest whole tag instead."""
+    root = tmp_path / "checkpoints"
+    ckpt.write_meta(tmp_path, ckpt.run_meta("f", 2))
+    _tag(root / "step-0000004", world=2)
+    newest = _tag(root / "step-0000008", world=2)
+    (root / "latest").write_text("step-0000008")
+    assert ckpt.latest_tag(tmp_path) == "step-0000008"
+    (newest / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()  # rank 1 never wrote
+    assert ckpt.latest_tag(tmp_path) == "step-0000004"
+    _tag(root / "step-0000012", world=2)
+    half = root / "step-0000012" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    half.write_bytes(half.read_bytes()[: half.stat().st_size // 2])  # rank 0 cut off mid-write
+    (root / "latest").write_text("step-0000012")
+    assert ckpt.latest_tag(tmp_path) == "step-0000004"
+    assert ckpt.checkpoint_whole(_tag(tmp_path / "plain", world=1, zero=False), world=1)  # ZeRO off
+
+
+def test_a_resume_names_the_setting_that_changed_and_allows_a_longer_budget(tmp_path):
+    config = RunConfig(output_dir=str(tmp_path))
+    config.train.max_steps = 8
+    ckpt.write_meta(tmp_path, ckpt.run_meta(config.fingerprint(), 1, "float32", config.settings()))
+    (tmp_path / "checkpoints" / "step-0000008").mkdir(parents=True)
+
+    def check(config: RunConfig) -> None:
+        meta = ckpt.run_meta(config.fingerprint(), 1, "float32", config.settings())
+        ckpt.check_meta(tmp_path, meta, resume=True)
+
+    config.train.max_steps, config.train.max_minutes, config.train.epochs = 30, 5.0, 3.0
+    check(config)  # the budget may grow
+    config.train.lr = 0.002
+    config.heads.draft_vocab_size = 64
+    with pytest.raises(ckpt.ResumeError) as err:
+        check(config)
+    assert "heads.draft_vocab_size: None -> 64; train.lr: 0.0003 -> 0.002" in str(err.value)
+    assert "fingerprint" not in str(err.value)
+
+
+def test_a_run_killed_inside_a_save_resumes_from_the_last_whole_one_and_extends(tmp_path, text_run):
+    """8 steps saving every 4, then rank 0's optimizer file of the last save is cut short (the state
+    a kill inside DeepSpeed's save window leaves, `latest` already naming it): `--resume --max-steps
+    12` resumes from step 4 and trains on to 12."""
+    config = text_run(
+        train={"max_steps": 8, "warmup_steps": 4},
+        schedule={"save_every": 4, "eval_every": 4, "eval_examples": 4, "keep_checkpoints": 3},
+    )
+    run = tmp_path / "run"
+    first = _worker(config)
+    assert first.returncode == 0, first.stderr[-3000:]
+    log = _log(run)
+    # the lr each step ran at: the warmup's quarters first
+    assert [r["lr"] for r in log if "lr" in r][:4] == pytest.approx([0.00025, 0.0005, 0.00075, 0.001])
+    scores = next(r for r in log if r["step"] == 4 and "eval_loss" in r)
+    assert f"step 4 held-out: loss {scores['eval_loss']:.4f}, top-1 by depth" in first.stderr
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000008"
+
+    optim = next((run / "checkpoints" / "step-0000008").glob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(config.read_text().replace("lr: 0.001", "lr: 0.002"))
+    refused = _worker(changed, "--resume")
+    assert refused.returncode == 2 and "train.lr: 0.001 -> 0.002" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    resumed = _worker(config, "--resume", "--max-steps", "12")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = _log(run)[len(log) :]
+    assert after[0]["event"] == "resume" and after[0]["step"] == 4 and after[0]["total_steps"] == 12
+    assert [r["step"] for r in after if "loss" in r] == list(range(5, 13))
+    assert after[-1]["event"] == "done" and after[-1]["step"] == 12
