@@ -1,11 +1,29 @@
-"""The speculative generate loop: prefill, then draft -> verify (one target pass over the tree) ->
-accept -> compact, until a stop token, the budget or the context ends it."""
+"""The speculative generate loop, for a batch of prompts (a single prompt is a batch of one):
+
+    prefill  one target pass over the right-padded prompts [B, P] (`passes.prefill`)
+    loop:
+    draft    all rows' trees grow in lockstep (`tree.drive_rows`): an EAGLE head runs once per depth over
+             every row's frontier, with one head KV cache holding every row (`drafting.EagleRows`)
+    verify   ONE target pass over every row's tree (`passes.verify`)
+    accept   per row, with its own generator: each row accepts its own prefix of its own tree
+    compact  per row, in place: the accepted path moves to [len_b, len_b + k); the cache is cut at the
+             longest row
+    drop     rows that finished (stop token, budget, context) leave the batch and the cache
+
+The shared passes are what a batch saves (the target's and the head's weights are read once per
+step for all rows); acceptance runs row by row. The output distribution of every row is the
+target's, and greedy rows equal the target's own greedy decoding.
+
+Seeds: `seeds[i]` seeds row i's generator; what a row's generator draws depends only on its prompt,
+its seed and its drafts, so a row equals a single-prompt run with that seed whenever its drafts are
+the same (see `SelfDraftModel.generate` for when they are).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,8 +39,9 @@ from selfdraft.inference.acceptance import (
     warp_probs,
 )
 from selfdraft.inference.drafting import make_drafter
+from selfdraft.inference.passes import prefill, verify
 from selfdraft.target import max_context
-from selfdraft.tree import TreeShape, TreeSpec, tree_attention_mask, tree_position_ids
+from selfdraft.tree import TreeShape, TreeSpec, drive_rows
 
 ACCEPTANCE_MODES = ("rejection", "typical")
 
@@ -91,43 +110,8 @@ class GenerationOutput:
         return len(self.tokens) / self.stats.total_time if self.stats.total_time else 0.0
 
 
-@dataclass(frozen=True)
-class TargetPass:
-    """logits: [N, V] next-token logits at each node; hidden_states: tuple of [1, N, h] per layer."""
-
-    logits: torch.Tensor
-    hidden_states: tuple[torch.Tensor, ...]
-
-
-@torch.no_grad()
-def prefill(target, input_ids: torch.Tensor, cache) -> TargetPass:
-    """Plain causal forward over the prompt input_ids: [1, T] (fills `cache`)."""
-    out = target(input_ids=input_ids, output_hidden_states=True, **kv.cache_kwargs(target, cache))
-    return TargetPass(logits=out.logits[0], hidden_states=tuple(out.hidden_states))
-
-
-@torch.no_grad()
-def verify_tree(target, cache, tokens: torch.Tensor, spec: TreeSpec) -> TargetPass:
-    """Run the target once on the tree: tokens [N] at positions prefix + depth, ancestor-only mask.
-
-    The tree's N keys/values are appended to `cache`; the caller compacts it to the accepted path.
-    """
-    prefix = kv.cache_length(cache)
-    dtype = target.get_input_embeddings().weight.dtype
-    device = tokens.device
-    with kv.masked_gqa(device, spec.size):
-        out = target(
-            input_ids=tokens[None],
-            attention_mask=tree_attention_mask(spec, prefix, dtype=dtype, device=device),
-            position_ids=tree_position_ids(spec, prefix, device=device),
-            output_hidden_states=True,
-            **kv.cache_kwargs(target, cache),
-        )
-    return TargetPass(logits=out.logits[0], hidden_states=tuple(out.hidden_states))
-
-
 def accept_tree(
-    passed: TargetPass,
+    logits: torch.Tensor,
     tokens: torch.Tensor,
     spec: TreeSpec,
     sampling: SamplingParams,
@@ -135,10 +119,11 @@ def accept_tree(
     generator,
     q: torch.Tensor | None = None,
 ) -> AcceptResult:
-    """q: [N, V] when the children were drawn without replacement from q[u] (see `draws_children`)."""
+    """logits: [N, V] the target's at each node; q: [N, V] when the children were drawn without
+    replacement from q[u] (see `draws_children`)."""
     if sampling.is_greedy:
-        return accept_greedy(tokens, greedy_ids(passed.logits), spec)
-    p = warp_probs(passed.logits, sampling)
+        return accept_greedy(tokens, greedy_ids(logits), spec)
+    p = warp_probs(logits, sampling)
     if mode == "typical":
         return accept_typical(p, tokens, spec, generator=generator)
     if q is not None:
@@ -208,94 +193,225 @@ def tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeS
     return TreeSpec.chain(room) if room >= 0 else None
 
 
+
+
+def row_seeds(seed, n: int) -> list[int | None]:
+    """One seed per row. seed: None (each row's generator is seeded from torch's global RNG, in row
+    order), one int s (row i uses s + i, so row i reproduces `generate(prompt_i, seed=s + i)`), or a
+    sequence of n ints/None."""
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return [seed + i for i in range(n)]
+    if isinstance(seed, Sequence) and not isinstance(seed, str | bytes):
+        seeds = list(seed)
+        if len(seeds) != n:
+            raise UserError(
+                f"seed has {len(seeds)} entries for {n} prompts; pass one seed per prompt or one int"
+            )
+        for s in seeds:
+            if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
+                raise UserError(f"seed entries must be integers or None, got {s!r}")
+        return seeds
+    raise UserError(f"seed must be an int, a list of one int per prompt, or None; got {seed!r}")
+
+
+def check_prompts(prompts: Sequence[torch.Tensor], limit: int | None) -> None:
+    if not prompts:
+        raise UserError("no prompts; pass at least one prompt")
+    for i, p in enumerate(prompts):
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+        if p.dim() != 1 or p.numel() == 0:
+            raise UserError(f"{which} has shape {tuple(p.shape)}; each prompt must be a non-empty 1-D id list")
+        check_prompt_fits(p.numel(), limit, which)
+
+
+@dataclass
+class _Row:
+    """One prompt's generation: its output, its generator, and its valid cache entries [0, length)."""
+
+    index: int  # position in the caller's list
+    generator: torch.Generator | None
+    stops: set[int]
+    max_new_tokens: int
+    context: list[int]  # prompt + output: what a prompt-lookup branch searches
+    length: int
+    streamer: object | None = None  # transformers' streamer interface: `put(tensor)`, `end()`
+    root: int = 0  # the last chosen token, not yet in the cache: the next tree's root
+    out: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    done: bool = False
+
+    def emit(self, new: list[int]) -> None:
+        """Append tokens up to a stop token or the budget; sets `done` when generation is over."""
+        new, reason = cut_at_stop(new, self.stops, len(self.out), self.max_new_tokens)
+        if reason is not None:
+            self.done, self.stats.finish_reason = True, reason
+        self.out.extend(new)
+        self.context.extend(new)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(new))
+
+
+def _split(hidden_states: tuple[torch.Tensor, ...], b: int) -> tuple[torch.Tensor, ...]:
+    """Row b's hidden states, each [1, n, h] (views, no copy)."""
+    return tuple(h[b : b + 1] for h in hidden_states)
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
     heads,
-    input_ids: torch.Tensor,
+    prompts: Sequence[torch.Tensor],
     *,
     spec: TreeShape,
     max_new_tokens: int,
     sampling: SamplingParams,
+    seeds: Sequence[int | None] | None = None,
     stop_token_ids: Iterable[int] = (),
     acceptance: str = "rejection",
     streamer=None,
-) -> GenerationOutput:
-    """Generate up to `max_new_tokens` after input_ids [1, T]; the output distribution is the target's.
+) -> list[GenerationOutput]:
+    """Generate up to `max_new_tokens` after each prompt (1-D long tensors of any lengths), all rows
+    verified by one shared target pass per step; returns one GenerationOutput per prompt, in order.
 
-    streamer: anything with transformers' streamer interface (`put(tensor)`, `end()`).
+    heads: heads (one drafter serves all rows), a drafter object (one prompt only) or a list of one
+    drafter per prompt (see `drafting.make_drafter`). seeds: one per row (None: `row_seeds` of
+    sampling.seed). streamer: one prompt only. Each row's stats count the shared passes it took part
+    in; draft_time / verify_time / compact_time / prefill_time are those shared passes' wall time,
+    total_time is the wall time until that row finished.
     """
     check_request(acceptance, max_new_tokens)
     limit = max_context(target)
-    prompt_len = input_ids.shape[1]
-    check_prompt_fits(prompt_len, limit)
+    check_prompts(prompts, limit)
+    n = len(prompts)
+    if streamer is not None and n > 1:
+        raise UserError("streamer= works with one prompt only; generate a batch without it")
+    seeds = row_seeds(sampling.seed, n) if seeds is None else seeds
     stops = set(int(t) for t in stop_token_ids)
-    stats = GenerationStats()
-    generator = sampling.make_generator(input_ids.device)
-    drafter = make_drafter(heads)
+    device = prompts[0].device
+    drafter = make_drafter(heads, n)
+    generators = [replace(sampling, seed=seed).make_generator(device) for seed in seeds]
+    rows = [
+        _Row(i, generators[i], stops, max_new_tokens, p.tolist(), p.numel(), streamer) for i, p in enumerate(prompts)
+    ]
+    if streamer is not None:
+        streamer.put(prompts[0].cpu())
+    finished: dict[int, _Row] = {}
     cache = kv.new_cache()
     start = time.perf_counter()
-
-    passed = prefill(target, input_ids, cache)
-    stats.target_forwards += 1
-    root = first_token(passed.logits[-1], sampling, generator)
-    stats.prefill_time = time.perf_counter() - start
-    out: list[int] = []
-    context = input_ids[0].tolist()  # prompt + output: what a prompt-lookup branch searches
-
-    def emit(new: list[int]) -> bool:
-        """Append tokens up to a stop token or the budget; True when generation is over."""
-        chunk, reason = cut_at_stop(new, stops, len(out), max_new_tokens)
-        done = reason is not None
-        if done:
-            stats.finish_reason = reason
-        out.extend(chunk)
-        context.extend(chunk)
-        if streamer is not None:
-            streamer.put(torch.tensor(chunk))
-        return done
-
-    if streamer is not None:
-        streamer.put(input_ids[0].cpu())
-    done = emit([root])
-    next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=input_ids.device)])
-    drafter.observe(next_tokens, passed.hidden_states, torch.arange(prompt_len, device=input_ids.device))
+    _first_tokens(target, drafter, prompts, rows, cache, sampling)
     drawing = draws_children(drafter, spec, sampling, acceptance)
     if drawing:
-        drafter.draw_with(sampling.temperature, generator)
-
-    while not done:
-        prefix = kv.cache_length(cache)
-        shape = tree_that_fits(spec, prefix, limit)
-        if shape is None:
-            stats.finish_reason = "context"
-            break
+        drafter.draw_with(sampling.temperature, [row.generator for row in rows])
+    # Drop rows done after the first token; the others keep [0, len_b) (pad slots go).
+    rows = _retire(rows, cache, drafter, kv.cache_length(cache), [[] for _ in rows], finished, start)
+    while rows:
+        shapes = [tree_that_fits(spec, row.length, limit) for row in rows]
+        paths = [[] for _ in rows]
+        physical = kv.cache_length(cache)
+        if any(s is None for s in shapes):
+            for row, s in zip(rows, shapes, strict=True):
+                if s is None:
+                    row.done, row.stats.finish_reason = True, "context"
+        else:
+            paths = _step(target, drafter, rows, shapes, cache, sampling, acceptance, drawing)
         t0 = time.perf_counter()
-        tree, tokens = shape.draft(drafter, root, context)  # a concrete TreeSpec, whatever the shape
-        t1 = time.perf_counter()
-        passed = verify_tree(target, cache, tokens.to(input_ids.device), tree)
-        t2 = time.perf_counter()
-        q = drafter.tree_dists(tree.size) if drawing else None
-        result = accept_tree(passed, tokens, tree, sampling, acceptance, generator, q)
-        t3 = time.perf_counter()
-        path = torch.tensor([0, *result.accepted], dtype=torch.long, device=input_ids.device)
-        kv.keep_positions(cache, prefix, prefix + path)
-        t4 = time.perf_counter()
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
-        stats.accept_time += t3 - t2
-        stats.compact_time += t4 - t3
-        stats.record(len(result.accepted), tree.max_depth, tree.size)
-
-        new = [int(tokens[a]) for a in result.accepted] + [result.next_token]
-        done = emit(new)
-        if not done:
-            t5 = time.perf_counter()
-            drafter.observe(torch.tensor(new), passed.hidden_states, path)
-            stats.observe_time += time.perf_counter() - t5
-        root = result.next_token
-
-    stats.total_time = time.perf_counter() - start
+        rows = _retire(rows, cache, drafter, physical, paths, finished, start)
+        compact = time.perf_counter() - t0
+        for row in rows:
+            row.stats.compact_time += compact
     if streamer is not None:
         streamer.end()
-    return GenerationOutput(tokens=out, stats=stats)
+    return [GenerationOutput(tokens=finished[i].out, stats=finished[i].stats) for i in range(n)]
+
+
+def _first_tokens(target, drafter, prompts: Sequence[torch.Tensor], rows: list[_Row], cache, sampling) -> None:
+    """Prefill every prompt, emit each row's first token, and show the drafter the prompts' features."""
+    start = time.perf_counter()
+    passed = prefill(target, list(prompts), cache)
+    prefill_time = time.perf_counter() - start
+    for b, (row, p) in enumerate(zip(rows, prompts, strict=True)):
+        row.stats.target_forwards += 1
+        row.stats.prefill_time = prefill_time
+        row.root = first_token(passed.logits[b], sampling, row.generator)
+        row.emit([row.root])
+        if not row.done:
+            next_tokens = torch.cat([p[1:], torch.tensor([row.root], device=p.device)])
+            t0 = time.perf_counter()
+            drafter.observe(b, next_tokens, _split(passed.hidden_states, b), torch.arange(p.numel(), device=p.device))
+            row.stats.observe_time += time.perf_counter() - t0
+
+
+def _step(
+    target, drafter, rows: list[_Row], shapes: list[TreeShape], cache, sampling, acceptance: str, drawing: bool
+) -> list[list[int]]:
+    """One draft -> verify -> accept round for every row. Returns each row's kept tree nodes (root
+    first, then its accepted path), which the caller compacts the cache to."""
+    t0 = time.perf_counter()
+    trees = drive_rows([s.grow(row.root, row.context) for row, s in zip(rows, shapes, strict=True)], drafter)
+    t1 = time.perf_counter()
+    passed = verify(target, cache, trees, [row.length for row in rows])
+    draft, verified = t1 - t0, time.perf_counter() - t1
+    paths = []
+    for b, (row, (tree, tokens)) in enumerate(zip(rows, trees, strict=True)):
+        t2 = time.perf_counter()
+        q = drafter.tree_dists(b, tree.size) if drawing else None
+        result = accept_tree(passed.logits[b, : tree.size], tokens, tree, sampling, acceptance, row.generator, q)
+        t3 = time.perf_counter()
+        path = [0, *result.accepted]
+        paths.append(path)
+        row.stats.draft_time += draft
+        row.stats.verify_time += verified
+        row.stats.accept_time += t3 - t2
+        row.stats.record(len(result.accepted), tree.max_depth, tree.size)
+        new = torch.cat([tokens[list(result.accepted)], torch.tensor([result.next_token])])  # path successors
+        row.emit(new.tolist())
+        if not row.done:
+            drafter.observe(b, new, _split(passed.hidden_states, b), torch.tensor(path, device=tokens.device))
+            row.stats.observe_time += time.perf_counter() - t3
+        row.root = result.next_token
+    return paths
+
+
+def _compact_rows(
+    cache, physical: int, keep_rows: list[int], lengths: list[int], paths: list[list[int]]
+) -> list[int]:
+    """Per-row compaction and row dropping, in place.
+
+    For each kept batch row r (in order): slots [0, lengths[r]) stay, the tree slots physical +
+    paths[r] move to lengths[r], lengths[r] + 1, ...; the cache is then cut at the longest row (a
+    shorter row's slots past its length keep stale entries that no query attends). Rows not in
+    keep_rows leave the cache. Returns the new lengths, in keep_rows order.
+    """
+    new_lengths = [lengths[r] + len(paths[r]) for r in keep_rows]
+    if not keep_rows:
+        return []
+    batch, src, dst = [], [], []
+    for i, r in enumerate(keep_rows):
+        batch += [i] * len(paths[r])
+        src += [physical + p for p in paths[r]]
+        dst += range(lengths[r], new_lengths[i])
+    rows = None if keep_rows == list(range(len(lengths))) else torch.tensor(keep_rows, dtype=torch.long)
+    batch_t, src_t, dst_t = (torch.tensor(x, dtype=torch.long) for x in (batch, src, dst))
+    kv.compact_rows(cache, rows, batch_t, src_t, dst_t, max(new_lengths))
+    return new_lengths
+
+
+def _retire(
+    rows: list[_Row], cache, drafter, physical: int, paths: list[list[int]], finished: dict[int, _Row], start: float
+) -> list[_Row]:
+    """Move done rows to `finished`; compact the target's cache and the drafter to the rows still going."""
+    keep = []
+    for b, row in enumerate(rows):
+        if row.done:
+            row.stats.total_time = time.perf_counter() - start
+            finished[row.index] = row
+        else:
+            keep.append(b)
+    new_lengths = _compact_rows(cache, physical, keep, [row.length for row in rows], paths)
+    drafter.retire(keep)
+    alive = [rows[b] for b in keep]
+    for row, length in zip(alive, new_lengths, strict=True):
+        row.length = length
+    return alive

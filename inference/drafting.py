@@ -1,18 +1,21 @@
 """Drafters: heads propose the tokens of a tree; the target verifies them afterwards.
 
 A drafter is created per `generate` call and owns that call's draft state (the EAGLE head's own KV
-cache); nothing is stored on the heads or the target. Every drafter answers the tree shapes'
-`selfdraft.tree.Drafter` protocol (`begin`, `children`, `feed`, `end`) and one more call from the
-decoding loop:
+cache); nothing is stored on the heads or the target. The generate loop drafts for B rows (a single
+prompt is a batch of one) through `make_drafter`'s answer, which speaks the
+`selfdraft.tree.RowsDrafter` protocol (`begin`, `children`, `feed`, `end`, each taking the growths'
+own request objects by row) plus two calls from the loop:
 
-    observe(next_tokens [P], hidden_states, positions [P])
-        the target's features at P positions whose next token is now known (prefill or accepted path)
+    observe(row, next_tokens [P], hidden_states, positions [P])
+        the target's features at P positions of that row whose next token is now known (prefill or
+        accepted path)
+    retire(keep)
+        only the rows `keep` go on
 
-Children are the head's top-k by draft probability (deterministic picks, see `selfdraft.tree`).
-
-Batched generation drafts B rows at once through the `selfdraft.tree.RowsDrafter` protocol (plus
-`observe(row, ...)` and `retire(keep)`): `EagleRows` runs the EAGLE head once per tree depth over
-every row's frontier; `PerRow` serves each row with its own single drafter (Medusa, test drafters).
+`EagleRows` runs the EAGLE head once per tree depth over every row's frontier; `PerRow` serves each
+row with its own single-tree drafter (`selfdraft.tree.Drafter`: Medusa, test drafters), handing it
+that row's requests as they are. Children are the head's top-k by draft probability (deterministic
+picks, see `selfdraft.tree`), or drawn from it (`EagleRows.draw_with`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from selfdraft.heads.foreign.modules import ForeignEagleHead
 from selfdraft.heads.int8 import has_int8_weights
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.precision import dtype_name
-from selfdraft.tree import Begin, Children, Feed, Grown, float_mask
+from selfdraft.tree import Begin, Children, Feed, float_mask
 
 
 def ranked_children(logits: torch.Tensor, k: int, heads) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +97,8 @@ class MedusaDrafter:
         self.last_feature = feature.to(self.dtype)
 
     @torch.no_grad()
-    def begin(self, root_token: int, max_depth: int) -> None:
+    def begin(self, request: Begin) -> None:
+        max_depth = request.max_depth
         if max_depth > self.heads.num_heads:
             raise UserError(
                 f"tree depth {max_depth} exceeds the {self.heads.num_heads} Medusa heads; "
@@ -103,16 +107,15 @@ class MedusaDrafter:
         self.logits = self.heads.logits(self.last_feature, slice(0, max(1, max_depth)))  # [D, V']
         self.ranked = None
 
-    def children(
-        self, grown: Grown, nodes: list[int], depth: int, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(self, request: Children) -> tuple[torch.Tensor, torch.Tensor]:
         # every node at one depth gets the same proposals: Medusa heads see only the last feature
+        k, depth, n = request.k, request.depth, len(request.nodes)
         if self.ranked is None or self.ranked[0].shape[-1] < k:
             self.ranked = ranked_children(self.logits, k, self.heads)  # [D, k]
         ids, logq = self.ranked[0][depth, :k], self.ranked[1][depth, :k]
-        return ids.expand(len(nodes), -1), logq.expand(len(nodes), -1)
+        return ids.expand(n, -1), logq.expand(n, -1)
 
-    def feed(self, grown: Grown, nodes: list[int], depth: int) -> None:
+    def feed(self, request: Feed) -> None:
         pass
 
     def end(self) -> None:
@@ -155,9 +158,12 @@ class EagleRows:
             raise ValueError("drawing needs a temperature > 0 and one generator per row")
         self.temperature, self.generators = temperature, list(generators)
 
-    def tree_dists(self, row: int, size: int) -> torch.Tensor:
+    def tree_dists(self, row: int, size: int) -> torch.Tensor | None:
         """q [size, V] over the target vocabulary for the last tree row `row` drew (node order of the
-        tree its growth returned); rows of nodes that drew nothing are zero."""
+        tree its growth returned); rows of nodes that drew nothing are zero. None when no node drew:
+        the tree is its root alone (cut so at the context's end), with no children to verify."""
+        if not self.dists[row]:
+            return None
         vocab = self.heads.draft_vocab
         some = next(iter(self.dists[row].values()))
         width = vocab.t2d.numel() if vocab is not None else some.shape[-1]
@@ -183,20 +189,21 @@ class EagleRows:
 
     def _append(
         self,
-        tokens: list[list[int]],
-        inputs: list[list[torch.Tensor]],
+        tokens: list[torch.Tensor],
+        inputs: list[torch.Tensor | None],
         positions: list[int],
         causal: bool,
         ancestors: list[tuple[int, int, int]] = (),
     ) -> torch.Tensor:
         """One head pass over a block of per-row queries padded to the widest row; returns [B, m, h].
 
+        tokens[b]: row b's query tokens [n_b]; inputs[b]: their input features [n_b, h] (None: no query).
         Real query i of row b sees its row's pairs [0, lengths[b]), its own new slot, with `causal` its
         row's earlier queries in the block, and the cached slot s of every (b, i, s) in `ancestors`.
         positions[b]: the position of row b's first query (causal) or of all its queries."""
         rows, width = len(tokens), kv.cache_length(self.cache)
-        m = max(len(t) for t in tokens)
-        first = next(v[0] for v in inputs if v)
+        m = max(t.numel() for t in tokens)
+        first = next(v for v in inputs if v is not None)
         ids = torch.zeros(rows, m, dtype=torch.long)
         x = first.new_zeros(rows, m, first.shape[-1])
         step = torch.arange(m) if causal else torch.zeros(m, dtype=torch.long)
@@ -204,11 +211,11 @@ class EagleRows:
         allowed = torch.zeros(rows, m, width + m, dtype=torch.bool)
         allowed[:, :, width:] = torch.eye(m, dtype=torch.bool)  # own slot (a pad query's only one)
         for b in range(rows):
-            n = len(tokens[b])
+            n = tokens[b].numel()
             if not n:
                 continue
-            ids[b, :n] = torch.tensor(tokens[b])
-            x[b, :n] = torch.stack(inputs[b])
+            ids[b, :n] = tokens[b]
+            x[b, :n] = inputs[b]
             allowed[b, :n, : self.lengths[b]] = True
             if causal:
                 allowed[b, :n, width : width + n] = torch.ones(n, n, dtype=torch.bool).tril()
@@ -230,11 +237,11 @@ class EagleRows:
         rows = len(self.lengths)
         if sorted(requests) != list(range(rows)):
             raise ValueError(f"every one of the {rows} rows must begin a tree together")
-        tokens = [torch.cat([t for t, _ in p]).tolist() for p in self.pending]
-        feats = [list(torch.cat([f for _, f in p]).unbind(0)) for p in self.pending]
+        tokens = [torch.cat([t for t, _ in p]) for p in self.pending]
+        feats: list[torch.Tensor | None] = [torch.cat([f for _, f in p]) for p in self.pending]
         self.pending = [[] for _ in range(rows)]
         start = kv.cache_length(self.cache)
-        counts = [len(t) for t in tokens]
+        counts = [t.numel() for t in tokens]
         out = self._append(tokens, feats, self.lengths, causal=True)
         new = [length + count for length, count in zip(self.lengths, counts, strict=True)]
         if any(length != start for length in self.lengths) or len(set(counts)) > 1:
@@ -282,15 +289,15 @@ class EagleRows:
         sees its row's pairs plus its tree ancestors (the root's pair is the row's last one)."""
         rows = len(self.lengths)
         width = kv.cache_length(self.cache)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        inputs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        tokens = [torch.empty(0, dtype=torch.long)] * rows
+        inputs: list[torch.Tensor | None] = [None] * rows
         positions, ancestors = [0] * rows, []
         for b, r in requests.items():
             grown = r.grown
             positions[b] = self.lengths[b] + r.depth - 1
+            tokens[b] = grown.tokens[r.nodes]
+            inputs[b] = torch.stack([self.features[b][grown.parents[u]] for u in r.nodes])
             for i, u in enumerate(r.nodes):
-                tokens[b].append(grown.tokens[u])
-                inputs[b].append(self.features[b][grown.parents[u]])
                 a = grown.parents[u]
                 while a > 0:
                     if a in self.slots[b]:
@@ -325,42 +332,6 @@ class EagleRows:
             )
 
 
-class EagleDrafter:
-    """One sequence's EAGLE drafter: `EagleRows` with a single row, behind the one-tree protocol."""
-
-    def __init__(self, heads: EagleHead | ForeignEagleHead) -> None:
-        self.rows = EagleRows(heads, 1)
-
-    @property
-    def cache(self):
-        return self.rows.cache
-
-    def observe(
-        self, next_tokens: torch.Tensor, hidden_states: Sequence[torch.Tensor], positions: torch.Tensor
-    ) -> None:
-        self.rows.observe(0, next_tokens, hidden_states, positions)
-
-    def begin(self, root_token: int, max_depth: int) -> None:
-        self.rows.begin({0: Begin(root_token, max_depth)})
-
-    def children(
-        self, grown: Grown, nodes: list[int], depth: int, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.children({0: Children(grown, nodes, depth, k)})[0]
-
-    def feed(self, grown: Grown, nodes: list[int], depth: int) -> None:
-        self.rows.feed({0: Feed(grown, nodes, depth)})
-
-    def end(self) -> None:
-        self.rows.end()
-
-    def draw_with(self, temperature: float, generator: torch.Generator | None) -> None:
-        self.rows.draw_with(temperature, [generator])
-
-    def tree_dists(self, size: int) -> torch.Tensor:
-        return self.rows.tree_dists(0, size)
-
-
 class PerRow:
     """B single drafters (one per row) behind the batch protocol: each row drafts on its own."""
 
@@ -373,15 +344,15 @@ class PerRow:
 
     def begin(self, requests: dict[int, Begin]) -> None:
         for b, r in requests.items():
-            self.drafters[b].begin(r.root_token, r.max_depth)
+            self.drafters[b].begin(r)
             self.begun.append(b)
 
     def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return {b: self.drafters[b].children(r.grown, r.nodes, r.depth, r.k) for b, r in requests.items()}
+        return {b: self.drafters[b].children(r) for b, r in requests.items()}
 
     def feed(self, requests: dict[int, Feed]) -> None:
         for b, r in requests.items():
-            self.drafters[b].feed(r.grown, r.nodes, r.depth)
+            self.drafters[b].feed(r)
 
     def end(self) -> None:
         for b in self.begun:
@@ -392,22 +363,32 @@ class PerRow:
         self.drafters = [self.drafters[b] for b in keep]
 
 
-def make_drafter(heads):
-    """The drafter for `heads`; an object that already implements the protocol is used as is."""
-    if all(callable(getattr(heads, name, None)) for name in ("observe", "begin", "children", "feed", "end")):
-        return heads
-    if isinstance(heads, MedusaHeads):
-        return MedusaDrafter(heads)
-    if isinstance(heads, EagleHead | ForeignEagleHead):
-        return EagleDrafter(heads)
-    raise TypeError(f"no drafter for {type(heads).__name__}")
+PROTOCOL = ("observe", "begin", "children", "feed", "end")
 
 
-def make_rows_drafter(heads, rows: int):
-    """The batch drafter for `rows` rows: `EagleRows` for EAGLE heads; a list of per-row drafter objects
-    (or Medusa heads, whose drafting has no head pass to share) goes through `PerRow`."""
+def is_drafter(obj) -> bool:
+    """An object that drafts one tree itself (the `selfdraft.tree.Drafter` protocol plus `observe`)."""
+    return all(callable(getattr(obj, name, None)) for name in PROTOCOL)
+
+
+def make_drafter(heads, rows: int):
+    """The drafter for `rows` rows (one per prompt) of one generate call.
+
+    heads: EAGLE heads (`EagleRows`: one head pass per tree depth for every row), Medusa heads (one
+    `MedusaDrafter` per row: their drafting has no head pass to share), a list of one drafter object
+    per prompt (tests), or one drafter object, which holds state and so serves one row only."""
     if isinstance(heads, list | tuple):
-        return PerRow([make_drafter(h) for h in heads])
+        if len(heads) != rows:
+            raise UserError(f"{len(heads)} drafters for {rows} prompts; pass one drafter per prompt")
+        return PerRow(list(heads))
+    if is_drafter(heads):
+        if rows > 1:
+            raise UserError(
+                "one drafter object cannot draft for several rows; pass a list of one drafter per prompt"
+            )
+        return PerRow([heads])
     if isinstance(heads, EagleHead | ForeignEagleHead):
         return EagleRows(heads, rows)
-    return PerRow([make_drafter(heads) for _ in range(rows)])
+    if isinstance(heads, MedusaHeads):
+        return PerRow([MedusaDrafter(heads) for _ in range(rows)])
+    raise TypeError(f"no drafter for {type(heads).__name__}")

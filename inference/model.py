@@ -13,8 +13,7 @@ from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
 from selfdraft.heads.int8 import int8_weights
 from selfdraft.inference.acceptance import SamplingParams
-from selfdraft.inference.batch import batched_speculative_generate, is_batch, row_seeds
-from selfdraft.inference.decoding import GenerationOutput, speculative_generate
+from selfdraft.inference.decoding import GenerationOutput, row_seeds, speculative_generate
 from selfdraft.precision import (
     AUTO,
     draft_weights_int8,
@@ -86,6 +85,22 @@ def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | 
         if (path / "config.json").is_file():
             return path
     return None
+
+
+def is_batch(input_ids) -> bool:
+    """True for a list/tuple of prompts (each a 1-D list or tensor); False for one sequence (a tensor
+    [T] or [1, T], or a flat list of ints)."""
+    if not isinstance(input_ids, list | tuple):
+        return False
+    if not input_ids:
+        raise UserError("generate got an empty list; pass token ids, or a list of prompts' token ids")
+    nested = [not isinstance(x, int) and not (torch.is_tensor(x) and x.dim() == 0) for x in input_ids]
+    if any(nested) and not all(nested):
+        raise UserError(
+            "generate got a list mixing token ids and sequences; pass one flat list of ids, "
+            "or a list whose every item is one prompt's ids"
+        )
+    return all(nested)
 
 
 def _is_whole(value) -> bool:
@@ -308,50 +323,48 @@ class SelfDraftModel:
 
         A batch: `input_ids` a list of prompts (each an id list, a [T] or a [1, T] tensor; any lengths) returns a
         list of GenerationOutput in the same order; every step verifies all rows' trees in one shared
-        target pass (see `inference/batch.py`), and each row's output is what it would be alone.
-        seed: one int s (row i uses s + i, so row i equals `generate(prompt_i, seed=s + i)`), one seed
-        per row, or None. No streamer with a batch.
+        target pass (see `inference/decoding.py`; one prompt runs the same loop as a batch of one).
+        seed: one int s (row i uses s + i), one seed per row, or None. No streamer with a batch.
+
+        What holds for a batch, exactly: a row draws random numbers only from its own generator, and
+        acceptance is lossless for whatever the heads drafted, so each row's output follows the
+        target's own sampling law for its prompt whatever its neighbours are (the law of the target's
+        batched pass: its logits round like a single prompt's up to float error), and greedy rows are
+        the target's greedy text. Token for token, row i equals `generate(prompt_i, seed=s + i)` when
+        its drafts are the same as alone: the heads' batched pass rounds with the other rows in it,
+        which float32 heads almost never turn into another draft, but bfloat16 heads (the "auto" draft
+        dtype on bf16 CPUs) often do, and a different draft consumes the generator differently.
         """
-        sampling = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=None if is_batch(input_ids) else seed
-        )
+        batch = is_batch(input_ids)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if tree is not None:
             spec = self._fitting_tree(tree, sampling=temperature > 0)
         elif temperature > 0:
             spec = self.sampling_tree
-        elif is_batch(input_ids):
+        elif batch:
             spec = tree_for_batch(self.batch_trees, len(input_ids), self.tree)
         else:
             spec = self.tree
         vocab = self.target.get_input_embeddings().num_embeddings
         max_new_tokens = check_budget(max_new_tokens)
         stops = self.default_stop_ids() if stop_token_ids is None else check_stop_ids(stop_token_ids, vocab)
-        if is_batch(input_ids):
-            if streamer is not None:
-                raise UserError("streamer= works with one prompt only; generate a batch without it")
-            prompts = [_as_prompt_ids(p, self.target.device, vocab)[0] for p in input_ids]
-            return batched_speculative_generate(
-                self.target,
-                self.heads,
-                prompts,
-                spec=spec,
-                max_new_tokens=max_new_tokens,
-                sampling=sampling,
-                seeds=row_seeds(seed, len(prompts)),
-                stop_token_ids=stops,
-                acceptance=acceptance,
-            )
-        return speculative_generate(
+        if batch and streamer is not None:
+            raise UserError("streamer= works with one prompt only; generate a batch without it")
+        # a single prompt is a batch of one
+        prompts = [_as_prompt_ids(p, self.target.device, vocab)[0] for p in (input_ids if batch else [input_ids])]
+        outs = speculative_generate(
             self.target,
             self.heads,
-            _as_prompt_ids(input_ids, self.target.device, vocab),
+            prompts,
             spec=spec,
             max_new_tokens=max_new_tokens,
             sampling=sampling,
+            seeds=row_seeds(seed, len(prompts)) if batch else [seed],
             stop_token_ids=stops,
             acceptance=acceptance,
             streamer=streamer,
         )
+        return outs if batch else outs[0]
 
     def chat_ids(self, prompt: str | bytes) -> torch.Tensor:
         """Token ids [1, T] of `prompt` as one user turn in the target's chat template (plain text

@@ -18,7 +18,9 @@ neither drafters nor the decoding loop ask which kind they hold:
 
 A shape never calls a drafter itself: `grow` yields what it needs (`Begin`, then `Children` and
 `Feed` requests) and receives the answers, so one drafter can serve one tree (`drive`) or B rows'
-trees at once (`drive_rows`: every depth of every row in one head pass).
+trees at once (`drive_rows`: every depth of every row in one head pass; the generate loop always
+drives rows, a single prompt being a batch of one). The request objects themselves reach the
+drafter, and its answers (tensors) reach the growing tree (`Grown`) as tensors.
 
 Shapes: a `TreeSpec` itself (static: the same tree every step, Medusa `choices` style), a
 `DynamicTree` (EAGLE-2: grow by cumulative draft log-probability, keep the best nodes) and a
@@ -31,7 +33,7 @@ keeps every shape lossless.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -41,16 +43,16 @@ from selfdraft.errors import UserError
 
 
 class Drafter(Protocol):
-    """What a shape asks of a drafter while it grows one tree (see `inference/drafting.py`)."""
+    """Serves one growing tree: each call takes the growth's own request (see `inference/drafting.py`)."""
 
-    def begin(self, root_token: int, max_depth: int) -> None:
-        """Start a tree under `root_token`, at most `max_depth` deep."""
+    def begin(self, request: Begin) -> None:
+        """Start a tree under `request.root_token`, at most `request.max_depth` deep."""
 
-    def children(self, grown: Grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best children of each depth-`depth` node: (target ids [n, k], draft log q [n, k])."""
+    def children(self, request: Children) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best children of each requested node: (target ids [n, k], draft log q [n, k])."""
 
-    def feed(self, grown: Grown, nodes: list[int], depth: int) -> None:
-        """Make these depth-`depth` nodes expandable (an EAGLE head runs on them)."""
+    def feed(self, request: Feed) -> None:
+        """Make the requested nodes expandable (an EAGLE head runs on them)."""
 
     def end(self) -> None:
         """The tree is drafted; drop any per-tree state."""
@@ -67,7 +69,7 @@ class Begin:
 
 @dataclass(frozen=True)
 class Children:
-    """Answer: the k best children of each node, (target ids [n][k], draft log q [n][k]) as lists."""
+    """Answer: the k best children of each node, (target ids [n, k], draft log q [n, k]) as tensors."""
 
     grown: Grown
     nodes: list[int]
@@ -93,16 +95,11 @@ class RowsDrafter(Protocol):
 
     def begin(self, requests: dict[int, Begin]) -> None: ...
 
-    def children(self, requests: dict[int, Children]) -> dict[int, tuple[list, list]]: ...
+    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def feed(self, requests: dict[int, Feed]) -> None: ...
 
     def end(self) -> None: ...
-
-
-def _as_lists(answer: tuple[torch.Tensor, torch.Tensor]) -> tuple[list, list]:
-    ids, logq = answer
-    return (ids.tolist() if torch.is_tensor(ids) else ids, logq.tolist() if torch.is_tensor(logq) else logq)
 
 
 def drive(growth: Growth, drafter: Drafter) -> tuple[TreeSpec, torch.Tensor]:
@@ -110,16 +107,12 @@ def drive(growth: Growth, drafter: Drafter) -> tuple[TreeSpec, torch.Tensor]:
     first = next(growth)
     if not isinstance(first, Begin):
         raise TypeError(f"a growth must start with Begin, not {type(first).__name__}")
-    drafter.begin(first.root_token, first.max_depth)
+    drafter.begin(first)
     try:
         answer = None
         while True:
             request = growth.send(answer)
-            if isinstance(request, Children):
-                answer = _as_lists(drafter.children(request.grown, request.nodes, request.depth, request.k))
-            else:
-                drafter.feed(request.grown, request.nodes, request.depth)
-                answer = None
+            answer = drafter.children(request) if isinstance(request, Children) else drafter.feed(request)
     except StopIteration as done:
         return done.value
     finally:
@@ -146,7 +139,7 @@ def drive_rows(growths: Sequence[Growth], drafter: RowsDrafter) -> list[tuple[Tr
                     results[b] = done.value
             asks = {b: r for b, r in requests.items() if isinstance(r, Children)}
             feeds = {b: r for b, r in requests.items() if isinstance(r, Feed)}
-            answers = {b: _as_lists(a) for b, a in drafter.children(asks).items()} if asks else {}
+            answers = drafter.children(asks) if asks else {}
             if feeds:
                 drafter.feed(feeds)
                 answers.update(dict.fromkeys(feeds))
@@ -290,54 +283,74 @@ class TreeSpec:
     def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
         return drive(self.grow(root_token, context), drafter)
 
+    @cached_property
+    def levels(self) -> tuple[tuple[tuple[int, ...], int, tuple[int, ...], torch.Tensor, torch.Tensor], ...]:
+        """How `grow` fills this tree, per depth d: (the depth-d nodes that have children, k = how many
+        candidates each must rank, those children in node order, each child's row among the nodes
+        [m], its rank [m]). Computed once per tree, so a step only indexes the drafter's answer."""
+        out = []
+        frontier = [0] if self.size > 1 else []
+        while frontier:
+            kids = [c for u in frontier for c in self.children[u]]
+            rows = [i for i, u in enumerate(frontier) for _ in self.children[u]]
+            ranks = [self.ranks[c] for c in kids]
+            out.append((tuple(frontier), 1 + max(ranks), tuple(kids), torch.tensor(rows), torch.tensor(ranks)))
+            frontier = [c for c in kids if self.children[c]]
+        return tuple(out)
+
     def grow(self, root_token: int, context: Sequence[int] = ()) -> Growth:
         """Fill this fixed tree: node i takes its parent's rank-`ranks[i]` child. Returns (self, tokens [N])."""
         grown = Grown.rooted(root_token)
         node_of = {0: 0}  # this tree's node -> index in `grown`
-        frontier = [0] if self.size > 1 else []
         yield Begin(root_token, self.max_depth)
-        for depth in range(self.max_depth):
-            k = 1 + max(self.ranks[c] for u in frontier for c in self.children[u])
-            ids, logq = yield Children(grown, [node_of[u] for u in frontier], depth, k)
-            for row, u in enumerate(frontier):
-                for c in self.children[u]:
-                    r = self.ranks[c]
-                    node_of[c] = grown.add(node_of[u], ids[row][r], logq[row][r], r)
-            frontier = [c for u in frontier for c in self.children[u] if self.children[c]]
-            if not frontier:
-                break
-            yield Feed(grown, [node_of[c] for c in frontier], depth + 1)
+        for depth, (frontier, k, kids, rows, ranks) in enumerate(self.levels):
+            nodes = [node_of[u] for u in frontier]
+            if depth:
+                yield Feed(grown, nodes, depth)
+            ids, logq = yield Children(grown, nodes, depth, k)
+            parents = [node_of[self.parents[c]] for c in kids]
+            new = grown.add(parents, [self.ranks[c] for c in kids], ids[rows, ranks], logq[rows, ranks])
+            node_of.update(zip(kids, new, strict=True))
         # nodes in the order they were drafted, so a drafter's per-node records (the q a node's children
         # were drawn from) index the result; for trees built by from_paths that is this tree's own order,
         # and returning self keeps its cached properties instead of rebuilding a tree every step
-        tokens = torch.tensor(grown.tokens, dtype=torch.long)
         if tuple(grown.parents) == self.parents and tuple(grown.ranks) == self.ranks:
-            return self, tokens
-        return TreeSpec.from_parents(grown.parents, grown.ranks), tokens
+            return self, grown.tokens
+        return TreeSpec.from_parents(grown.parents, grown.ranks), grown.tokens
 
 
 # ---- a tree while it is drafted ---------------------------------------------------------------------
 @dataclass
 class Grown:
-    """Nodes drafted so far (index 0 = root), as parallel lists; `scores` are cumulative log q."""
+    """Nodes drafted so far (index 0 = root): the structure as lists (parents, depths, ranks: the
+    growth's own bookkeeping), the drafted values as tensors as the drafter answered them (tokens [n]
+    long, scores [n] float64, the cumulative draft log q), so no answer goes through Python lists."""
 
-    parents: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
+    parents: list[int]
+    depths: list[int]
+    ranks: list[int]
+    tokens: torch.Tensor
+    scores: torch.Tensor
 
     @classmethod
     def rooted(cls, root_token: int) -> Grown:
-        return cls([-1], [int(root_token)], [0.0], [0], [0])
+        return cls([-1], [0], [0], torch.tensor([int(root_token)]), torch.zeros(1, dtype=torch.float64))
 
-    def add(self, parent: int, token: int, logq: float, rank: int) -> int:
-        self.parents.append(parent)
-        self.tokens.append(token)
-        self.scores.append(self.scores[parent] + logq)
-        self.depths.append(self.depths[parent] + 1)
-        self.ranks.append(rank)
-        return len(self.tokens) - 1
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def add(self, parents: Sequence[int], ranks: Sequence[int], tokens: torch.Tensor, logq: torch.Tensor) -> range:
+        """Append m children: parents[i] gets tokens[i] (its rank-ranks[i] candidate, draft log q logq[i]).
+        tokens, logq: [m]. Returns the new nodes' indices."""
+        start = len(self.parents)
+        self.parents.extend(parents)
+        self.ranks.extend(ranks)
+        self.depths.extend(self.depths[p] + 1 for p in parents)
+        self.tokens = torch.cat([self.tokens, tokens.to(self.tokens.device, torch.long)])
+        # float64 sums, as Python floats were: rankings and ties do not depend on how scores are kept
+        gained = self.scores[list(parents)] + logq.to(self.scores.device, torch.float64)
+        self.scores = torch.cat([self.scores, gained])
+        return range(start, len(self.parents))
 
     def ancestors(self, nodes: list[int], columns: list[int]) -> torch.Tensor:
         """allowed[i, j] = columns[j] is nodes[i] or one of its ancestors (root excluded). bool [n, m]."""
@@ -351,8 +364,10 @@ class Grown:
         return allowed
 
     def best(self, total_tokens: int) -> tuple[TreeSpec, torch.Tensor]:
-        """The `total_tokens` best-scoring nodes (plus any missing ancestor) -> (TreeSpec, tokens [N])."""
-        best = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))[:total_tokens]
+        """The `total_tokens` best-scoring nodes (plus any missing ancestor) -> (TreeSpec, tokens [N]).
+        Equal scores keep node order (a stable sort)."""
+        ranked = torch.sort(self.scores[1:], descending=True, stable=True).indices[:total_tokens]
+        best = (ranked + 1).tolist()
         keep = set(best)
         for i in best:  # ties can rank a child level with its parent; never keep an orphan
             while self.parents[i] > 0 and self.parents[i] not in keep:
@@ -362,8 +377,7 @@ class Grown:
         index = {c: n for n, c in enumerate(order)}
         parents = [-1] + [index[self.parents[c]] for c in order[1:]]
         ranks = [0] + [self.ranks[c] for c in order[1:]]
-        tokens = torch.tensor([self.tokens[c] for c in order], dtype=torch.long)
-        return TreeSpec.from_parents(parents, ranks), tokens
+        return TreeSpec.from_parents(parents, ranks), self.tokens[torch.tensor(order)]
 
 
 # ---- shapes that grow a different tree each step ----------------------------------------------------
@@ -408,14 +422,14 @@ class DynamicTree:
         yield Begin(root_token, self.depth)
         for depth in range(self.depth):
             ids, logq = yield Children(grown, frontier, depth, self.top_k)
-            new = [
-                grown.add(u, ids[row][r], logq[row][r], r)
-                for row, u in enumerate(frontier)
-                for r in range(len(ids[row]))
-            ]
+            n, k = ids.shape
+            parents = [u for u in frontier for _ in range(k)]
+            new = grown.add(parents, list(range(k)) * n, ids.reshape(-1), logq.reshape(-1))
             if depth + 1 == self.depth:
                 break
-            frontier = sorted(new, key=lambda i: -grown.scores[i])[: self.top_k]
+            # the best-scoring new nodes expand; equal scores keep node order (a stable sort)
+            order = torch.sort(grown.scores[new.start :], descending=True, stable=True).indices[: self.top_k]
+            frontier = [new.start + i for i in order.tolist()]
             yield Feed(grown, frontier, depth + 1)
         return grown.best(self.total_tokens)
 
@@ -557,7 +571,8 @@ def graft_chain(
         node = match
     if len(values) == spec.size:
         return spec, tokens
-    return TreeSpec(parents=tuple(parents), ranks=tuple(ranks)), torch.tensor(values, dtype=tokens.dtype)
+    added = torch.tensor(values[spec.size :], dtype=tokens.dtype, device=tokens.device)
+    return TreeSpec(parents=tuple(parents), ranks=tuple(ranks)), torch.cat([tokens, added])
 
 
 # ---- what the target (and an EAGLE head) sees -------------------------------------------------------

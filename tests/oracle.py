@@ -27,11 +27,12 @@ class OracleDrafter:
     def _wrong(self, right: int, salt: int) -> int:
         return (right + 1 + salt) % self.vocab
 
-    def begin(self, root_token: int, max_depth: int) -> None:
+    def begin(self, request) -> None:
         self.calls += 1
         self.miss = bool(self.miss_every and self.calls % self.miss_every == 0)
 
-    def children(self, grown, nodes: list[int], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(self, request) -> tuple[torch.Tensor, torch.Tensor]:
+        grown, nodes, depth, k = request.grown, request.nodes, request.depth, request.k
         at = self.known + depth + 1  # index of the children's token in the reference
         right = self.reference[at] if at < len(self.reference) else 0
         ids = torch.empty(len(nodes), k, dtype=torch.long)
@@ -46,7 +47,7 @@ class OracleDrafter:
         logq = -torch.arange(k, dtype=torch.float32).expand(len(nodes), k)  # rank order
         return ids, logq
 
-    def feed(self, grown, nodes: list[int], depth: int) -> None:
+    def feed(self, request) -> None:
         pass
 
     def end(self) -> None:

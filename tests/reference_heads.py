@@ -4,8 +4,8 @@ import torch
 
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
-from selfdraft.inference.decoding import prefill
-from selfdraft.inference.drafting import EagleDrafter
+from selfdraft.inference.drafting import EagleRows
+from selfdraft.inference.passes import prefill
 
 from tiny_models import tiny_target
 
@@ -13,7 +13,7 @@ from tiny_models import tiny_target
 def eagle_after_prompt(arch: str, prompt_seed: int):
     """A random EAGLE head on a tiny target that has observed a 5-token prompt.
 
-    Returns (heads, prompt [1, 5], prefill pass, root token, drafter)."""
+    Returns (heads, prompt [1, 5], prefill pass, root token, a one-row drafter)."""
     torch.manual_seed(0)
     target = tiny_target(arch)
     heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
@@ -21,10 +21,10 @@ def eagle_after_prompt(arch: str, prompt_seed: int):
         for p in heads.parameters():
             p.normal_(0, 0.2)
     prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(prompt_seed))
-    passed = prefill(target, prompt, kv.new_cache())
-    root = int(passed.logits[-1].argmax())
-    drafter = EagleDrafter(heads)
-    drafter.observe(torch.cat([prompt[0, 1:], torch.tensor([root])]), passed.hidden_states, torch.arange(5))
+    passed = prefill(target, [prompt[0]], kv.new_cache())
+    root = int(passed.logits[0].argmax())
+    drafter = EagleRows(heads, 1)
+    drafter.observe(0, torch.cat([prompt[0, 1:], torch.tensor([root])]), passed.hidden_states, torch.arange(5))
     return heads, prompt, passed, root, drafter
 
 

@@ -32,9 +32,12 @@ CONFIGS = {
 }
 
 
-def tiny_target(arch: str = "llama", attn: str = "sdpa", seed: int = 0):
+def tiny_target(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **config_overrides):
+    """config_overrides: config attributes to change (e.g. max_position_embeddings for a short context)."""
     torch.manual_seed(seed)
     config = CONFIGS[arch]()
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     # Random init gives near-uniform logits; a larger scale makes argmax decisions well separated.
     with torch.no_grad():

@@ -16,7 +16,7 @@ from selfdraft.bench.tune import (
     tree_description,
 )
 from selfdraft.heads import HeadsConfig, build_heads, save_heads
-from selfdraft.inference import SelfDraftModel, batch
+from selfdraft.inference import SelfDraftModel, decoding
 from selfdraft.inference.model import TREE_FILE
 from selfdraft.tree_syntax import resolve_tree, write_tree_file
 
@@ -141,7 +141,6 @@ def test_tree_file_machine_entries_serve_their_kind_of_machine(tmp_path, monkeyp
 def test_tree_file_sampling_tree_serves_temperatures_above_zero(tmp_path):
     """tune --temperature T > 0 writes a `sampling:` tree next to the greedy one; the model drafts
     with it at T > 0 only; re-tuning the greedy tree keeps it."""
-    from selfdraft.inference import decoding
 
     from tiny_models import tiny_target
 
@@ -195,7 +194,7 @@ def test_tree_file_batch_trees_serve_batches_of_at_least_their_size(tmp_path):
     assert list(read_batch_trees(path, "float32")) == [4, 8]
     model = SelfDraftModel.with_heads(target, None, heads_dir, draft_dtype=None)
     used = []
-    real = batch.batched_speculative_generate
+    real = decoding.speculative_generate
 
     def spy(*args, **kwargs):
         used.append(kwargs["spec"])
@@ -203,7 +202,7 @@ def test_tree_file_batch_trees_serve_batches_of_at_least_their_size(tmp_path):
 
     prompts = [torch.tensor([1, 2, 3 + i]) for i in range(9)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("selfdraft.inference.model.batched_speculative_generate", spy)
+        mp.setattr("selfdraft.inference.model.speculative_generate", spy)
         for n in (2, 4, 7, 9):
             model.generate(prompts[:n], 2)
         model.generate(prompts[:4], 2, temperature=0.7, seed=0)

@@ -104,9 +104,12 @@ def test_inference_and_bench_need_no_training_extras():
     assert out.stdout.strip() == "[]"
 
 
-def test_one_generate_step_crosses_at_most_seven_files():
+def test_one_generate_step_crosses_at_most_eight_files():
     """Trace one speculative step (draft -> verify -> accept -> compact) with EAGLE heads, a dynamic
-    tree and a prompt-lookup branch (the shipped configuration): the project files it executes."""
+    tree and a prompt-lookup branch (the shipped configuration): the project files it executes.
+    Eight: the loop (decoding), the target's passes (passes), drafting, acceptance, tree, kv, and the
+    EAGLE head with its borrowed embeddings (heads/eagle, heads/borrowed). One prompt and a batch run
+    the same loop, so a batch crosses the same files."""
     target = tiny_target("llama")
     model = SelfDraftModel(target, None, random_heads(target, "eagle", 0), tree="dynamic+lookup=4")
     prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
@@ -129,14 +132,14 @@ def test_one_generate_step_crosses_at_most_seven_files():
         return None
 
     # everything from the first draft of the traced call on: draft, verify, accept, compact, repeat
-    real_draft = type(model.tree).draft
+    real_grow = type(model.tree).grow
 
-    def traced_draft(self, *args, **kwargs):
+    def traced_grow(self, *args, **kwargs):
         nonlocal in_step
         in_step = True
-        return real_draft(self, *args, **kwargs)
+        return real_grow(self, *args, **kwargs)
 
-    type(model.tree).draft = traced_draft
+    type(model.tree).grow = traced_grow
     sys.setprofile(tracer)
     threading.setprofile(tracer)
     try:
@@ -144,6 +147,6 @@ def test_one_generate_step_crosses_at_most_seven_files():
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-        type(model.tree).draft = real_draft
+        type(model.tree).grow = real_grow
     assert files, "the tracer saw nothing"
-    assert len(files) <= 7, sorted(files)
+    assert len(files) <= 8, "\n".join(sorted(files))

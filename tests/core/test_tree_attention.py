@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from selfdraft import kv
-from selfdraft.inference.decoding import prefill, verify_tree
+from selfdraft.inference.passes import prefill, verify
 from selfdraft.tree import NAMED_TREES, TreeSpec, tree_attention_mask
 
 from tiny_models import CONFIGS, tiny_target
@@ -23,15 +23,15 @@ def test_tree_pass_matches_sequential(arch, attn, spec):
     prompt = torch.randint(0, 96, (1, 7), generator=gen)
     tokens = torch.randint(0, 96, (spec.size,), generator=gen)
     cache = kv.new_cache()
-    prefill(target, prompt, cache)
-    tree = verify_tree(target, cache, tokens, spec)
+    prefill(target, [prompt[0]], cache)
+    tree = verify(target, cache, [(spec, tokens)], [7])
     assert kv.cache_length(cache) == 7 + spec.size
     for node in range(spec.size):
         path = tokens[spec.path_to(node)]
         full = torch.cat([prompt[0], path])[None]
         with torch.no_grad():
             expected = target(input_ids=full).logits[0, -1]
-        torch.testing.assert_close(tree.logits[node], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(tree.logits[0, node], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_mask_is_float_additive():

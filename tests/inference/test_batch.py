@@ -12,8 +12,7 @@ import torch
 from selfdraft.errors import UserError
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import SamplingParams
-from selfdraft.inference.batch import batched_speculative_generate, row_seeds
-from selfdraft.inference.decoding import GenerationOutput
+from selfdraft.inference.decoding import GenerationOutput, row_seeds, speculative_generate
 from selfdraft.tree import NAMED_TREES, TreeSpec
 
 from oracle import OracleDrafter
@@ -69,7 +68,7 @@ def test_deep_acceptance_stops_and_budgets_finish_rows_at_different_times(spec):
     ]
     seen, hook = batch_sizes_seen(target)
     try:
-        outs = batched_speculative_generate(
+        outs = speculative_generate(
             target,
             drafters,
             prompts,
@@ -126,19 +125,23 @@ def test_sampled_row_independent_of_neighbours():
 
 
 @pytest.mark.parametrize(
-    "kind,tree,params",
+    "kind,tree,params,heads_dtype",
     [
-        ("medusa", "small", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
-        ("eagle", "dynamic:depth=3,top_k=2,total_tokens=5", SamplingParams(temperature=1.0)),
+        ("medusa", "small", SamplingParams(temperature=0.8, top_k=6, top_p=0.9), torch.float32),
+        ("eagle", "dynamic:depth=3,top_k=2,total_tokens=5", SamplingParams(temperature=1.0), torch.float32),
         # a static tree at T > 0: every row draws its children from the head's q (EagleRows.draw_with)
-        ("eagle", "small", SamplingParams(temperature=0.9, top_k=20)),
+        ("eagle", "small", SamplingParams(temperature=0.9, top_k=20), torch.float32),
+        # bfloat16 heads: a row's drafts round with its neighbours in the head's batched pass, so its
+        # tokens need not equal a single run's; its law is still the target's (SelfDraftModel.generate)
+        ("eagle", "small", SamplingParams(temperature=0.9, top_k=20), torch.bfloat16),
     ],
+    ids=["medusa", "eagle-dynamic", "eagle-drawn", "eagle-drawn-bf16-heads"],
 )
-def test_sampled_rows_follow_two_token_law(kind, tree, params):
+def test_sampled_rows_follow_two_token_law(kind, tree, params, heads_dtype):
     """Each row of 8-row batches (two prompts of different lengths, 4 rows each, distinct seeds) vs the
     exact law of its first two tokens: chi-square at alpha = 1e-4 per prompt, fixed seeds."""
     target = tiny_target("llama")
-    model = SelfDraftModel(target, None, random_heads(target, kind, 0), tree=tree)
+    model = SelfDraftModel(target, None, random_heads(target, kind, 0).to(heads_dtype), tree=tree)
     prompts = [torch.tensor([3, 14, 15]), torch.tensor([2, 7, 1, 8, 28, 18])]
     batch = [prompts[i % 2] for i in range(8)]
     V = target.config.vocab_size
@@ -186,7 +189,7 @@ def test_single_sequence_api_unchanged_and_batch_errors():
     with pytest.raises(UserError, match="vocabulary"):
         model.generate([[1, 2], [500]], 4)
     with pytest.raises(UserError, match="one drafter"):
-        batched_speculative_generate(
+        speculative_generate(
             target,
             OracleDrafter([1, 2, 3], 96),
             [torch.tensor([1]), torch.tensor([2])],
@@ -281,13 +284,13 @@ def test_bench_batch_section(tmp_path, tiny_target_dir):
 
 def test_prefill_without_logits_to_keep(monkeypatch):
     """A target whose forward lacks `logits_to_keep` gets full prefill logits, sliced per row."""
-    from selfdraft.inference import batch
+    from selfdraft.inference import passes
 
     target = tiny_target("llama")
     model = SelfDraftModel(target, None, random_heads(target, "medusa", 0), tree="small")
     prompts = ragged_prompts(8)
     kept = [o.tokens for o in model.generate(prompts, 6, stop_token_ids=[])]
-    monkeypatch.setattr(batch, "_takes_logits_to_keep", lambda cls: False)
+    monkeypatch.setattr(passes, "takes_logits_to_keep", lambda cls: False)
     assert [o.tokens for o in model.generate(prompts, 6, stop_token_ids=[])] == kept
     assert kept == [greedy_reference(target, p[None], 6) for p in prompts]
 

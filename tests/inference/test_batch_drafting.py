@@ -1,13 +1,14 @@
-"""Batched drafting (`drafting.EagleRows` + `tree.drive_rows`) against one `EagleDrafter` per row: every
+"""Batched drafting (`drafting.EagleRows` + `tree.drive_rows`) against one single-row `EagleRows` per row: every
 row of the batch drafts exactly the tree it drafts alone, across ragged pending blocks, steps and
 rows leaving the batch."""
 
 import pytest
 import torch
 
-from selfdraft.inference.drafting import EagleDrafter, EagleRows, PerRow
+from selfdraft.inference.drafting import EagleRows, PerRow
 from selfdraft.tree import DynamicTree, LookupTree, PromptLookup, TreeSpec, drive_rows
 
+from oracle import OracleDrafter
 from tiny_models import random_heads, tiny_target
 
 SHAPES = {
@@ -32,18 +33,18 @@ def test_each_row_drafts_what_it_drafts_alone(arch, shape):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (5, 9, 3)]
     contexts = [p.tolist() for p in prompts]
-    alone = [EagleDrafter(heads) for _ in prompts]
+    alone = [EagleRows(heads, 1) for _ in prompts]
     batch = EagleRows(heads, len(prompts))
     for b, p in enumerate(prompts):  # prefill: pairs (x_{i+1}, f_i) with the first token appended
         nxt = torch.cat([p[1:], torch.tensor([7])])
         hidden = _features(target, p)
         positions = torch.arange(p.numel())
-        alone[b].observe(nxt, hidden, positions)
+        alone[b].observe(0, nxt, hidden, positions)
         batch.observe(b, nxt, hidden, positions)
     roots = [7, 7, 7]
     live = [0, 1, 2]
     for step in range(4):
-        want = [SHAPES[shape].draft(alone[b], roots[i], contexts[b]) for i, b in enumerate(live)]
+        want = [drive_rows([tree.grow(roots[i], contexts[b])], alone[b])[0] for i, b in enumerate(live)]
         got = drive_rows([tree.grow(roots[i], contexts[b]) for i, b in enumerate(live)], batch)
         for (ws, wt), (gs, gt) in zip(want, got, strict=True):
             assert ws == gs and torch.equal(wt, gt)
@@ -53,7 +54,7 @@ def test_each_row_drafts_what_it_drafts_alone(arch, shape):
             shapes = [h.shape for h in _features(target, accepted)]
             hidden = tuple(torch.randn(*shape, generator=gen) for shape in shapes)
             positions = torch.arange(accepted.numel())
-            alone[b].observe(accepted, hidden, positions)
+            alone[b].observe(0, accepted, hidden, positions)
             batch.observe(i, accepted, hidden, positions)
             contexts[b] += accepted.tolist()
             roots[i] = int(accepted[-1])
@@ -74,7 +75,7 @@ def test_rows_drafter_protocol_errors_and_per_row_adapter():
     with pytest.raises(ValueError, match="every one of the 2 rows"):
         drive_rows([tree.grow(1)], batch)
     # PerRow serves each row with its own drafter and ends only the trees it began
-    alone = [EagleDrafter(heads) for _ in range(2)]
+    alone = [OracleDrafter([1, 2, 3, 4, 5, 6], 96) for _ in range(2)]
     rows = PerRow(alone)
     for b in range(2):
         p = torch.arange(1, 4 + b)

@@ -49,23 +49,23 @@ class TopKOracle:
             self.context = PROMPT[0, :1].tolist()
         self.context += next_tokens.tolist()
 
-    def begin(self, root_token, max_depth) -> None:
+    def begin(self, request) -> None:
         pass
 
     @torch.no_grad()
-    def children(self, grown, nodes, depth, k):
-        paths = []
-        for u in nodes:  # root .. u, root excluded (the context already ends with it)
+    def children(self, request):
+        grown, paths = request.grown, []
+        for u in request.nodes:  # root .. u, root excluded (the context already ends with it)
             path = []
             while u > 0:
-                path.append(grown.tokens[u])
+                path.append(int(grown.tokens[u]))
                 u = grown.parents[u]
             paths.append(self.context + path[::-1])
         logits = self.target(torch.tensor(paths)).logits[:, -1]  # same depth: same length
-        top = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+        top = torch.topk(torch.log_softmax(logits, -1), request.k, dim=-1)
         return top.indices, top.values
 
-    def feed(self, grown, nodes, depth) -> None:
+    def feed(self, request) -> None:
         pass
 
     def end(self) -> None:
@@ -107,8 +107,8 @@ def sample_four_tokens(target, draws: int = DRAWS, heads=None) -> tuple[torch.Te
     counts = torch.zeros(V, V, V, V)
     deep = 0
     for seed in range(draws):
-        out = decoding.speculative_generate(
-            target, heads or TopKOracle(target), PROMPT, spec=TREE, max_new_tokens=4,
+        (out,) = decoding.speculative_generate(
+            target, heads or TopKOracle(target), [PROMPT[0]], spec=TREE, max_new_tokens=4,
             sampling=SamplingParams(temperature=PARAMS.temperature, seed=seed), stop_token_ids=[],
         )
         counts[tuple(out.tokens)] += 1

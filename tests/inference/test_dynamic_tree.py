@@ -8,7 +8,7 @@ import torch
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import SelfDraftModel
-from selfdraft.tree import DynamicTree
+from selfdraft.tree import DynamicTree, drive_rows
 from selfdraft.tree_syntax import resolve_tree
 
 from reference_heads import eagle_after_prompt, reference_tokens
@@ -25,12 +25,13 @@ class TableDrafter:
         self.fed: list[tuple[int, int]] = []
         self.ended = False
 
-    def begin(self, root_token, max_depth):
+    def begin(self, request):
         pass
 
-    def children(self, grown, nodes, depth, k):
+    def children(self, request):
         ids, logq = [], []
-        for u in nodes:
+        depth, k = request.depth, request.k
+        for u in request.nodes:
             if (depth, u) not in self.table:
                 logits = torch.randn(20, generator=self.gen) * 2
                 top = torch.topk(torch.log_softmax(logits, -1), k)
@@ -39,9 +40,9 @@ class TableDrafter:
             logq.append(self.table[(depth, u)][1])
         return torch.stack(ids), torch.stack(logq)
 
-    def feed(self, grown, nodes, depth):
-        self.fed.append((depth, list(nodes)))
-        self.grown = grown
+    def feed(self, request):
+        self.fed.append((request.depth, list(request.nodes)))
+        self.grown = request.grown
 
     def end(self):
         self.ended = True
@@ -65,10 +66,10 @@ def test_selection_is_best_scoring_and_ancestor_closed(seed, policy):
     origin = [0]
     for i in range(1, spec.size):
         origin.append(child[(origin[spec.parents[i]], spec.ranks[i])])
-    assert tokens.tolist() == [grown.tokens[i] for i in origin]
+    assert tokens.tolist() == grown.tokens[origin].tolist()
     # the selection holds the total_tokens best candidates (ancestors only added, never swapped in)
     n_drafted = min(policy.total_tokens, len(grown.tokens) - 1)
-    threshold = sorted(grown.scores[1:], reverse=True)[n_drafted - 1]
+    threshold = sorted(grown.scores[1:].tolist(), reverse=True)[n_drafted - 1]
     selected = set(origin[1:])
     assert all(i in selected for i in range(1, len(grown.tokens)) if grown.scores[i] > threshold + 1e-9)
     assert sum(1 for i in selected if grown.scores[i] >= threshold - 1e-9) >= n_drafted
@@ -86,7 +87,7 @@ def test_resolve_dynamic_names():
 def test_eagle_dynamic_draft_matches_recomputation(arch):
     heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=3)
     with torch.no_grad():
-        spec, tokens = DynamicTree(depth=3, top_k=3, total_tokens=8).draft(drafter, root)
+        spec, tokens = drive_rows([DynamicTree(depth=3, top_k=3, total_tokens=8).grow(root)], drafter)[0]
         # the dynamic tree's nodes are exactly what the head proposes along each path (ranks included)
         expected = reference_tokens(heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 3)
     assert tokens.tolist() == expected

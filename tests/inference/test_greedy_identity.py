@@ -61,10 +61,10 @@ def test_smollm_multi_token_acceptance_and_eos_inside_block(smollm, references, 
     target, tokenizer = smollm
     ids, ref = references[1]
     full = ids[0].tolist() + ref
-    out = speculative_generate(
+    (out,) = speculative_generate(
         target,
         OracleDrafter(full, target.config.vocab_size, miss_every=3),
-        ids,
+        [ids[0]],
         spec=spec,
         max_new_tokens=NEW_TOKENS,
         sampling=SamplingParams(),
@@ -76,10 +76,10 @@ def test_smollm_multi_token_acceptance_and_eos_inside_block(smollm, references, 
     stop_at = 7
     stop = ref[stop_at]
     first = ref.index(stop)
-    out = speculative_generate(
+    (out,) = speculative_generate(
         target,
         OracleDrafter(full, target.config.vocab_size),
-        ids,
+        [ids[0]],
         spec=spec,
         max_new_tokens=NEW_TOKENS,
         sampling=SamplingParams(),
@@ -94,10 +94,10 @@ def test_max_new_tokens_exact_inside_block(budget):
     target = tiny_target("llama")
     prompt = torch.tensor([[5, 9, 11]])
     ref = prompt[0].tolist() + greedy_reference(target, prompt, 12)
-    out = speculative_generate(
+    (out,) = speculative_generate(
         target,
         OracleDrafter(ref, 96),
-        prompt,
+        [prompt[0]],
         spec=TreeSpec.chain(4),
         max_new_tokens=budget,
         sampling=SamplingParams(),
@@ -119,10 +119,10 @@ def test_tiny_architectures_greedy_identity(arch, kind):
         out = model.generate(prompt, 30, stop_token_ids=[])
         assert out.tokens == ref
         # An oracle on the same target: long accepted blocks, same text
-        oracle = speculative_generate(
+        (oracle,) = speculative_generate(
             target,
             OracleDrafter(prompt[0].tolist() + ref, 96, correct_rank=1),
-            prompt,
+            [prompt[0]],
             spec=NAMED_TREES["medium"],
             max_new_tokens=30,
             sampling=SamplingParams(),

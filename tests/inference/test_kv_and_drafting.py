@@ -5,9 +5,9 @@ import torch
 
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
-from selfdraft.inference.decoding import prefill, verify_tree
 from selfdraft.inference.drafting import MedusaDrafter
-from selfdraft.tree import NAMED_TREES, TreeSpec
+from selfdraft.inference.passes import prefill, verify
+from selfdraft.tree import NAMED_TREES, TreeSpec, drive_rows
 
 from reference_heads import eagle_after_prompt, reference_tokens
 from tiny_models import tiny_target
@@ -23,8 +23,8 @@ def test_compacted_cache_equals_fresh_forward(arch, path_ranks):
     prompt = torch.randint(0, 96, (1, 6), generator=gen)
     tokens = torch.randint(0, 96, (SPEC.size,), generator=gen)
     cache = kv.new_cache()
-    prefill(target, prompt, cache)
-    verify_tree(target, cache, tokens, SPEC)
+    prefill(target, [prompt[0]], cache)
+    verify(target, cache, [(SPEC, tokens)], [6])
     node = SPEC.paths.index(path_ranks)
     path = SPEC.path_to(node)
     kv.keep_positions(cache, 6, 6 + torch.tensor(path))
@@ -39,7 +39,7 @@ def test_compacted_cache_equals_fresh_forward(arch, path_ranks):
 def test_crop_and_errors():
     target = tiny_target("llama")
     cache = kv.new_cache()
-    prefill(target, torch.arange(10)[None], cache)
+    prefill(target, [torch.arange(10)], cache)
     kv.crop(cache, 4)
     assert kv.cache_length(cache) == 4
     with pytest.raises(ValueError):
@@ -51,7 +51,7 @@ def test_crop_and_errors():
 def test_eagle_tree_drafting_matches_cache_free_recomputation(arch, spec):
     heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=2)
     with torch.no_grad():
-        _, tokens = spec.draft(drafter, root)
+        _, tokens = drive_rows([spec.grow(root)], drafter)[0]
         expected = reference_tokens(
             heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 4
         )

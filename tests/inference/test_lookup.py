@@ -231,10 +231,10 @@ def test_lookup_extension_near_the_context_end_keeps_positions_inside(arch, monk
         # ends with 18, so the root 0 continues the pattern: the branch from the root is 11..15, the
         # heads' first choice 11 is its first node, and the extension below 15 adds 16, 17, 18: depth 8
         prompt = torch.tensor([(pattern * limit)[-length:]])
-        out = speculative_generate(
+        (out,) = speculative_generate(
             target,
             OracleDrafter([*prompt[0].tolist(), *pattern * 20], vocab_size=96),
-            prompt,
+            [prompt[0]],
             spec=tree,
             max_new_tokens=20,
             sampling=SamplingParams(),

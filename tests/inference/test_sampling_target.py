@@ -9,7 +9,7 @@ import torch
 from selfdraft import kv
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import SamplingParams, accept_rejection, warp_probs
-from selfdraft.inference.decoding import prefill, verify_tree
+from selfdraft.inference.passes import prefill, verify
 from selfdraft.tree import TreeSpec
 
 from stats import chi_square, exact_two_token_law
@@ -78,9 +78,9 @@ def test_smollm_second_token_distribution(smollm):
     prompt = model.chat_ids("Name one primary color.")
     params = SamplingParams(temperature=1.0)
     cache = kv.new_cache()
-    first = prefill(target, prompt, cache)
+    first = prefill(target, [prompt[0]], cache)
     prefix = kv.cache_length(cache)
-    p1 = warp_probs(first.logits[-1].double(), params)
+    p1 = warp_probs(first.logits[0].double(), params)
     spec = TreeSpec.from_paths([(0, 0), (1,), (2,), (3,)])
     gen = torch.Generator().manual_seed(0)
     for x1 in torch.topk(p1, 3).indices.tolist():
@@ -92,9 +92,9 @@ def test_smollm_second_token_distribution(smollm):
         ranked = torch.argsort(p2, descending=True)
         picks = [ranked[0], ranked[1], ranked[500], ranked[5], ranked[2]]
         tokens = torch.tensor([x1, *[int(t) for t in picks]])
-        passed = verify_tree(target, cache, tokens, spec)
+        passed = verify(target, cache, [(spec, tokens)], [prefix])
         kv.crop(cache, prefix)
-        p = warp_probs(passed.logits.double(), params)
+        p = warp_probs(passed.logits[0].double(), params)
         counts = torch.zeros_like(p2)
         for _ in range(1000):
             result = accept_rejection(p, tokens, spec, variant="deterministic", generator=gen)
