@@ -22,6 +22,7 @@ from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
+from selfdraft.mtbench import refuse_for_selection
 from selfdraft.training.checkpoint import RUN_FILE
 
 BASE_MODELS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -400,6 +401,9 @@ def publish(
     studies: `selfdraft compare --out` folders; their tables and plots go into the card.
     """
     run_dir, dest = Path(run_dir), Path(dest)
+    for path, _ in selection_benches:  # a choice made on MT-bench would overstate its reported numbers
+        for spec in json.loads(Path(path).read_text()).get("prompt_sets", {}):
+            refuse_for_selection(spec, f"--selection-bench {path}")
     for folder in studies:
         check_study(Path(folder))
     heads = load_heads(run_dir / "heads")
