@@ -23,7 +23,7 @@ _A = _rng.integers(1, _PRIME, NUM_PERM, dtype=np.uint64)
 _B = _rng.integers(0, _PRIME, NUM_PERM, dtype=np.uint64)
 _WORD = re.compile(r"\w+")
 MAX_BUCKET_CHECKS = 8  # unlinked earlier members of a bucket one text is compared with
-MAX_CHARS = 20_000  # a pasted document is compared by its beginning: enough to tell copies apart
+MAX_CHARS = 4000  # a pasted document is compared by its beginning: enough to tell copies apart
 
 
 def normalize(text: str) -> list[str]:
@@ -31,31 +31,37 @@ def normalize(text: str) -> list[str]:
     return _WORD.findall(text[:MAX_CHARS].lower())
 
 
-def shingles(text: str, n: int = SHINGLE_WORDS) -> set[int]:
-    """crc32 of each word n-gram (the whole text as one shingle when it has fewer than n words)."""
+def shingles(text: str, n: int = SHINGLE_WORDS) -> np.ndarray:
+    """Sorted unique uint64 hashes of the word n-grams (the whole text as one when it has fewer than
+    n words; empty for a text with no words). Words are hashed once (crc32) and combined per n-gram."""
     words = normalize(text)
+    if not words:
+        return np.empty(0, dtype=np.uint64)
     if len(words) < n:
-        return {zlib.crc32(" ".join(words).encode())} if words else set()
-    return {zlib.crc32(" ".join(words[i : i + n]).encode()) for i in range(len(words) - n + 1)}
+        return np.array([zlib.crc32(" ".join(words).encode())], dtype=np.uint64)
+    ids = np.fromiter((zlib.crc32(w.encode()) for w in words), dtype=np.uint64, count=len(words))
+    with np.errstate(over="ignore"):
+        h = np.zeros(len(words) - n + 1, dtype=np.uint64)
+        for i in range(n):  # an order-sensitive mix of the n word hashes, modulo 2^64
+            h = h * np.uint64(0x9E3779B97F4A7C15) + ids[i : len(words) - n + 1 + i]
+    return np.unique(h)
 
 
-def jaccard(a: set[int], b: set[int]) -> float:
-    """|a & b| / |a | b|; two empty texts are not duplicates of each other (0.0)."""
-    if not a or not b:
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """|a & b| / |a | b| of two `shingles` arrays; two empty texts are not duplicates (0.0)."""
+    if not len(a) or not len(b):
         return 0.0
-    return len(a & b) / len(a | b)
+    common = len(np.intersect1d(a, b, assume_unique=True))
+    return common / (len(a) + len(b) - common)
 
 
-def signature(shingle_set: set[int]) -> np.ndarray:
+def signature(shingle_set: np.ndarray) -> np.ndarray:
     """MinHash signature [NUM_PERM] (uint64): per permutation, the minimum of (a*x + b) mod p.
 
     Products are reduced modulo 2^64 before the prime; that keeps each row a fixed hash of x, which is
-    all MinHash needs. An empty set gets the all-max signature (it matches nothing in `groups`)."""
-    if not shingle_set:
-        return np.full(NUM_PERM, np.iinfo(np.uint64).max, dtype=np.uint64)
-    x = np.fromiter(shingle_set, dtype=np.uint64, count=len(shingle_set))
+    all MinHash needs."""
     with np.errstate(over="ignore"):
-        values = (np.outer(_A, x) + _B[:, None]) % np.uint64(_PRIME)
+        values = (np.outer(_A, shingle_set) + _B[:, None]) % np.uint64(_PRIME)
     return values.min(axis=1)
 
 
@@ -84,7 +90,7 @@ def groups(texts: Sequence[str], threshold: float = THRESHOLD) -> list[int]:
     rows = NUM_PERM // BANDS
     buckets: dict[tuple[int, bytes], list[int]] = {}
     for i, s in enumerate(sets):
-        if not s:
+        if not len(s):
             continue
         sig = signature(s)
         for band in range(BANDS):
@@ -108,7 +114,7 @@ def near_duplicates_of(queries: Sequence[str], corpus: Sequence[str], threshold:
     corpus_sets = [shingles(t) for t in corpus]
     buckets: dict[tuple[int, bytes], list[int]] = {}
     for i, s in enumerate(corpus_sets):
-        if s:
+        if len(s):
             sig = signature(s)
             for band in range(BANDS):
                 buckets.setdefault((band, sig[band * rows : (band + 1) * rows].tobytes()), []).append(i)
@@ -116,7 +122,7 @@ def near_duplicates_of(queries: Sequence[str], corpus: Sequence[str], threshold:
     for query in queries:
         s = shingles(query)
         found = -1
-        if s:
+        if len(s):
             sig = signature(s)
             seen: set[int] = set()
             for band in range(BANDS):
