@@ -12,7 +12,7 @@ from pathlib import Path
 from selfdraft.corpora import load_sharegpt
 from selfdraft.errors import MissingFileError, UserError
 from selfdraft.mtbench import mtbench_questions
-from selfdraft.splits import is_heldout
+from selfdraft.splits import heldout_flags
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,12 @@ class Prompt:
 
 
 def sharegpt_heldout(limit: int, heldout_fraction: float = 0.02) -> list[Prompt]:
-    """First user turns of ShareGPT conversations in the training runs' held-out split."""
+    """First user turns of ShareGPT conversations in the training runs' held-out split: the
+    near-duplicate-free one (`splits.heldout_flags`), so no prompt repeats one the heads trained on."""
     out = []
-    for record in load_sharegpt():
-        if not is_heldout(record, heldout_fraction):
+    records = load_sharegpt()
+    for record, held in zip(records, heldout_flags(records, heldout_fraction), strict=True):
+        if not held:
             continue
         first = next((m["content"] for m in record["messages"] if m["role"] == "user"), "")
         if 10 <= len(first) <= 2000:  # skip empty turns and pasted documents
