@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.prompts import load_prompt_set
     from selfdraft.bench.tune import CANDIDATES, score_trees, score_trees_batched, tree_description
     from selfdraft.inference.model import TREE_FILE, SelfDraftModel
-    from selfdraft.mtbench import refuse_for_selection
+    from selfdraft.mtbench import refuse_for_selection, refuse_mtbench_texts
     from selfdraft.precision import dtype_name, machine_kind
     from selfdraft.tree_syntax import entry_key, resolve_tree, write_tree_file
 
@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
     model = SelfDraftModel.from_pretrained(
         args.target, heads=args.heads, tree="chain-1", dtype=args.dtype, draft_dtype=args.draft_dtype
     )
-    prompts = [model.prompt_ids(p.text, p.chat) for p in load_prompt_set(args.prompts)]
+    chosen = load_prompt_set(args.prompts)
+    refuse_mtbench_texts([p.text for p in chosen], f"selfdraft tune --prompts {args.prompts}")
+    prompts = [model.prompt_ids(p.text, p.chat) for p in chosen]
     candidates = args.candidates or CANDIDATES
     if args.max_tree_tokens is not None:
         candidates = [c for c in candidates if resolve_tree(c).max_tokens <= args.max_tree_tokens]

@@ -79,3 +79,17 @@ def mtbench_matches(texts: list[str]) -> list[int]:
         if hit >= 0 or any(n in words for n in needles):
             out.append(i)
     return out
+
+
+def refuse_mtbench_texts(texts: list[str], what: str) -> None:
+    """A selection set given as a file must not smuggle MT-bench questions in (checked when the
+    questions are installed; without them there is nothing to compare with)."""
+    try:
+        hits = mtbench_matches(texts)
+    except MissingFileError:
+        return
+    if hits:
+        raise UserError(
+            f"{what}: {len(hits)} prompt(s) repeat MT-bench questions (e.g. {texts[hits[0]][:60]!r}), a "
+            "report set only; choose on prompts without them"
+        )

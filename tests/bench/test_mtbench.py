@@ -9,7 +9,7 @@ import torch
 from selfdraft.bench.prompts import load_prompt_set
 from selfdraft.bench.run import BenchConfig, run_bench
 from selfdraft.errors import UserError
-from selfdraft.mtbench import mtbench_questions, refuse_for_selection
+from selfdraft.mtbench import mtbench_questions, refuse_for_selection, refuse_mtbench_texts
 from selfdraft.scripts import cli
 
 
@@ -36,6 +36,13 @@ def test_selection_steps_refuse_mtbench(tmp_path, capsys):
     assert cli.main(["tune", "--heads", str(tmp_path), "--prompts", "mtbench:8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "report set only" in err[0]
+    # a prompt file carrying an MT-bench question is refused too
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "Hi, how are you?"}, {"prompt": mtbench_questions()[5]["turns"][0]}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(UserError, match="repeat MT-bench"):
+        refuse_mtbench_texts([p.text for p in load_prompt_set(str(prompts))], "selfdraft tune")
+    refuse_mtbench_texts(["Hi, how are you?"], "selfdraft tune")
     # publish: a bench whose MT-bench prompts "chose" the heads is refused as a selection bench
     from selfdraft.training.publish import publish
 
