@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synth-top-p", type=float, default=0.95)
     parser.add_argument("--synth-chunk", type=int, default=32, help="prompts sampled per resumable chunk")
     parser.add_argument(
+        "--synth-max-tokens", type=int, default=128, help="a sampled prompt longer than this is dropped"
+    )
+    parser.add_argument(
         "--answer-temperatures", type=float, nargs="+", default=[0.0, 1.0], help="with --synthesize"
     )
     parser.add_argument(
@@ -141,7 +144,7 @@ def _synthesize(args: argparse.Namespace, model, tokenizer) -> int:
         chunk=args.synth_chunk,
         temperature=args.synth_temperature,
         top_p=args.synth_top_p,
-        max_prompt_tokens=args.max_prompt_tokens or 128,
+        max_prompt_tokens=args.synth_max_tokens,
         answer_temperatures=tuple(args.answer_temperatures),
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
