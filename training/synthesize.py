@@ -218,7 +218,7 @@ def synthesize(model, tokenizer, out_path: str | Path, config: SynthesisConfig) 
             for reason, n in rejected.items():
                 stats[reason] = stats.get(reason, 0) + n
             barren = 0 if kept else barren + 1
-        for t in config.answer_temperatures:
+        for t in config.answer_temperatures if done[k] else ():
             # an empty assistant turn after each prompt: the turn the target's answer replaces
             records = [
                 {"id": _answer_id(r["id"], t), "messages": [*r["messages"], {"role": "assistant", "content": ""}]}

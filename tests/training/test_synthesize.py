@@ -110,3 +110,21 @@ def test_multi_turn_keeps_conversations_with_later_turns(capsys):
     assert [user_turns(r) for r in (one, two)] == [1, 2]
     assert cli.main(["distill", "--multi-turn", "--first-turns", "--out", "x.jsonl"]) == 2
     assert "contradict" in capsys.readouterr().err
+
+
+def test_a_target_that_writes_no_prompt_stops_with_one_line(tiny_target_dir, tmp_path, capsys):
+    """A random tiny model writes blank lines: the build stops after MAX_BARREN_CHUNKS chunks, each
+    recorded as done (a rerun does not sample them again), with one line saying why."""
+    from selfdraft.scripts import cli
+
+    out = tmp_path / "s.jsonl.gz"
+    argv = ["distill", "--target", str(tiny_target_dir), "--generator", "target", "--precision", "fp32",
+            "--synthesize", "2", "--synth-chunk", "2", "--synth-max-tokens", "3", "--out", str(out)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("selfdraft distill: ") and "kept no prompt" in err[-1]
+    assert not any("Traceback" in line for line in err)
+    markers = [r for r in read_rows(synth.prompts_path(out)) if r.get("done")]
+    assert [m["chunk"] for m in markers] == list(range(synth.MAX_BARREN_CHUNKS))
+    assert all(m["kept"] == 0 and sum(m["rejected"].values()) == 2 for m in markers)
+    assert not out.exists()
