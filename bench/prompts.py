@@ -1,16 +1,18 @@
-"""Prompt sets for benchmarks: held-out ShareGPT first turns, HumanEval, or a user JSONL file."""
+"""Prompt sets for benchmarks: held-out ShareGPT first turns, HumanEval, MT-bench (first turns or both
+turns), or a user JSONL file."""
 
 from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from selfdraft.corpora import load_sharegpt
 from selfdraft.errors import MissingFileError, UserError
-from selfdraft.splits import is_heldout
+from selfdraft.mtbench import mtbench_questions
+from selfdraft.splits import heldout_flags
 
 
 @dataclass(frozen=True)
@@ -18,13 +20,23 @@ class Prompt:
     id: str
     text: str
     chat: bool  # wrap in the target's chat template (False: raw completion, e.g. code)
+    category: str | None = None  # e.g. MT-bench's "writing": the report adds a per-category table
+    # earlier user turns of the same conversation: each is answered by the target itself (greedy)
+    # before `text` is asked, in the chat template, as Spec-Bench runs MT-bench's second turns
+    history: tuple[str, ...] = field(default=())
+
+    @property
+    def turn(self) -> int:
+        return len(self.history) + 1
 
 
 def sharegpt_heldout(limit: int, heldout_fraction: float = 0.02) -> list[Prompt]:
-    """First user turns of ShareGPT conversations in the training runs' held-out split."""
+    """First user turns of ShareGPT conversations in the training runs' held-out split: the
+    near-duplicate-free one (`splits.heldout_flags`), so no prompt repeats one the heads trained on."""
     out = []
-    for record in load_sharegpt():
-        if not is_heldout(record, heldout_fraction):
+    records = load_sharegpt()
+    for record, held in zip(records, heldout_flags(records, heldout_fraction), strict=True):
+        if not held:
             continue
         first = next((m["content"] for m in record["messages"] if m["role"] == "user"), "")
         if 10 <= len(first) <= 2000:  # skip empty turns and pasted documents
@@ -62,6 +74,21 @@ def _prompt_lines(path: Path) -> list[str]:
         ) from err
 
 
+def mtbench(limit: int, both_turns: bool = False, skip: int = 0) -> list[Prompt]:
+    """MT-bench questions in file order: first turns, or (both_turns) turn 1 then turn 2 of each
+    question, turn 2 asked after the target's own turn-1 answer. `limit` and `skip` count questions."""
+    out = []
+    for q in mtbench_questions()[skip : skip + limit]:
+        qid, first = f"mtbench:{q['question_id']}", q["turns"][0]
+        out.append(Prompt(qid if not both_turns else f"{qid}:1", first, True, q["category"]))
+        if both_turns:
+            out.extend(
+                Prompt(f"{qid}:{n + 1}", text, True, q["category"], tuple(q["turns"][:n]))
+                for n, text in enumerate(q["turns"][1:], start=1)
+            )
+    return out
+
+
 def read_prompt_rows(path: str | Path) -> list[dict]:
     """Rows {"line" (1-based), "id" (None when absent), "prompt", "chat" (default true)} of a JSONL file
     of prompts; a missing file, a line that is not JSON, a row without a "prompt" string or with a
@@ -89,7 +116,9 @@ def user_jsonl(path: str, limit: int) -> list[Prompt]:
     return [Prompt(i, r["prompt"], r["chat"]) for i, r in zip(ids, rows, strict=True)][:limit]
 
 
-PROMPT_SETS = "sharegpt:N, humaneval:N or a file.jsonl[:N], optionally followed by :skip=K"
+PROMPT_SETS = (
+    "sharegpt:N, humaneval:N, mtbench[:N], mtbench-2turn[:N] or a file.jsonl[:N], optionally followed by :skip=K"
+)
 
 
 def _count(spec: str, text: str, what: str) -> int:
@@ -99,8 +128,10 @@ def _count(spec: str, text: str, what: str) -> int:
 
 
 def load_prompt_set(spec: str) -> list[Prompt]:
-    """`sharegpt:N`, `humaneval:N`, `path/to/file.jsonl[:N]`; append `:skip=K` to drop the first K
-    (e.g. tune on prompts a benchmark does not use). A set that names no prompts is refused."""
+    """`sharegpt:N`, `humaneval:N`, `mtbench[:N]` (first turns of N questions), `mtbench-2turn[:N]`
+    (both turns of N questions), `path/to/file.jsonl[:N]`; append `:skip=K` to drop the first K (e.g.
+    tune on prompts a benchmark does not use; for MT-bench, K and N count questions). A set that names
+    no prompts is refused."""
     parts = spec.split(":")
     skip = 0
     if parts[-1].startswith("skip="):
@@ -111,6 +142,9 @@ def load_prompt_set(spec: str) -> list[Prompt]:
         prompts = sharegpt_heldout(limit + skip)
     elif name == "humaneval":
         prompts = humaneval(limit + skip)
+    elif name in ("mtbench", "mtbench-2turn"):
+        # skip and limit count whole questions: a turn 2 never runs without its own turn 1
+        prompts, skip = mtbench(limit, both_turns=name == "mtbench-2turn", skip=skip), 0
     elif name.endswith(".jsonl"):
         prompts = user_jsonl(name, limit + skip)
     else:

@@ -201,6 +201,7 @@ def markdown_table(report: dict) -> str:
             _fmt(r.get("verify_ms_per_step"), ".0f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += group_lines(report)
     lines += trees_lines(report)
     lines += phase_lines(report)
     lines += batch_lines(report)
@@ -220,6 +221,32 @@ def markdown_table(report: dict) -> str:
     lines += dtypes_lines(report)
     lines += ["", NEAR_TIE_NOTE]
     return "\n".join(lines) + "\n"
+
+
+def group_lines(report: dict) -> list[str]:
+    """Per category (and per turn of a multi-turn set): tau and speedup of each speculative method."""
+    rows = [r for r in report.get("group_summary", []) if r["method"] != "baseline"]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "By category (speedup and tau as above, over the prompts of each category; same runs):",
+        "",
+        "| prompts / category | method | T | n | tau | speedup | identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            r["prompts"],
+            r["method"],
+            f"{r['temperature']:g}",
+            str(r["n"]),
+            _fmt(r.get("tau"), ".2f"),
+            _fmt(r["speedup"], ".2f", "x"),
+            identical_cell(r),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def phase_lines(report: dict) -> list[str]:

@@ -91,6 +91,7 @@ class Runner:
             self.methods.insert(0, Method("baseline", "baseline"))
         self.models: dict[str, SelfDraftModel] = {}
         self.assistants: dict[str, torch.nn.Module] = {}
+        self._conversations: dict[tuple[str, ...], torch.Tensor] = {}  # multi-turn prompts, built once
         for m in self.methods:
             if m.kind == "selfdraft":
                 heads = None if m.arg == "none" else m.arg
@@ -111,7 +112,31 @@ class Runner:
                 self.assistants[m.label] = draft
 
     def ids(self, prompt: Prompt) -> torch.Tensor:
-        return self.base.prompt_ids(prompt.text, prompt.chat)
+        if not prompt.history:
+            return self.base.prompt_ids(prompt.text, prompt.chat)
+        key = (*prompt.history, prompt.text)
+        if key not in self._conversations:
+            self._conversations[key] = self.conversation_ids(prompt.history, prompt.text)
+        return self._conversations[key]
+
+    def conversation_ids(self, history: tuple[str, ...], question: str) -> torch.Tensor:
+        """[1, T]: the chat so far, each earlier user turn answered by the target's own greedy
+        `generate` (the same budget as the bench), then `question` as the next user turn (Spec-Bench's
+        multi-turn MT-bench). Every method then gets the very same prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"{self.config.target} has no chat template: multi-turn prompts need one")
+        messages: list[dict] = []
+        for turn in history:
+            messages.append({"role": "user", "content": turn})
+            ids = self._template_ids(messages)
+            answer = run_baseline(self.base, ids, self.config.max_new_tokens).tokens
+            text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+            messages.append({"role": "assistant", "content": text})
+        return self._template_ids([*messages, {"role": "user", "content": question}])
+
+    def _template_ids(self, messages: list[dict]) -> torch.Tensor:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
     @torch.no_grad()
     def run(
@@ -164,8 +189,9 @@ def tree_text(model: SelfDraftModel, temperatures: Sequence[float]) -> str:
 def run_bench(config: BenchConfig) -> dict:
     torch.set_num_threads(config.threads)
     # the prompt sets first: a bad or empty one is refused before any model loads
-    prompts = [p for spec in config.prompts for p in load_prompt_set(spec)]
-    sets = {spec: [p.id for p in load_prompt_set(spec)] for spec in config.prompts}
+    loaded = {spec: load_prompt_set(spec) for spec in config.prompts}
+    prompts = [p for spec in config.prompts for p in loaded[spec]]
+    sets = {spec: [p.id for p in ps] for spec, ps in loaded.items()}
     runner = Runner(config)
     warm = runner.ids(Prompt("warmup", "Hello!", True))
     for m in runner.methods:  # warm-up: one short run of every method, not measured
@@ -209,8 +235,23 @@ def run_bench(config: BenchConfig) -> dict:
         "runs": rows,
         "verify_cost_seconds": {str(b): t for b, t in curve.items()},
         "summary": summarize(rows, sets),
+        **({"group_summary": summarize(rows, groups)} if (groups := prompt_groups(loaded)) else {}),
         **({"batch_runs": batch_rows, "batch_summary": summarize_batches(batch_rows)} if batch_rows else {}),
     }
+
+
+def prompt_groups(loaded: dict[str, list[Prompt]]) -> dict[str, list[str]]:
+    """The prompts of each category (and, in multi-turn sets, each turn) of every set that has them,
+    named "SET / category" and "SET / turn N": the report's per-category rows."""
+    out: dict[str, list[str]] = {}
+    for spec, prompts in loaded.items():
+        for p in prompts:
+            if p.category is not None:
+                out.setdefault(f"{spec} / {p.category}", []).append(p.id)
+        if any(p.history for p in prompts):
+            for p in prompts:
+                out.setdefault(f"{spec} / turn {p.turn}", []).append(p.id)
+    return out
 
 
 BATCHED_KINDS = ("baseline", "selfdraft")  # transformers' prompt lookup / assisted generation take one row

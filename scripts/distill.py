@@ -1,4 +1,5 @@
-"""`selfdraft distill`: self-distillation data - the target rewrites the assistant turns of a source.
+"""`selfdraft distill`: self-distillation data - the target rewrites the assistant turns of a source,
+or (--synthesize N) writes its own prompts and answers them.
 
 The JSONL it writes (resumable: rerun the same command after a kill) is a training source as is:
 list it under `data.sources` in a run config.
@@ -43,6 +44,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="the sampled answers' base seed")
     parser.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="only conversations with two or more user turns, every turn answered after the target's "
+        "own earlier answers (first-turn builds already cover single exchanges)",
+    )
+    parser.add_argument(
+        "--synthesize",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no source: the target writes N prompts itself (its chat template up to a user turn, sampled "
+        "at --synth-temperature/--synth-top-p), de-duplicated and filtered, each answered at every "
+        "--answer-temperatures entry; prompts go to OUT's .prompts file; rerun to resume",
+    )
+    parser.add_argument("--synth-temperature", type=float, default=1.0)
+    parser.add_argument("--synth-top-p", type=float, default=0.95)
+    parser.add_argument("--synth-chunk", type=int, default=32, help="prompts sampled per resumable chunk")
+    parser.add_argument(
+        "--synth-max-tokens", type=int, default=128, help="a sampled prompt longer than this is dropped"
+    )
+    parser.add_argument(
+        "--answer-temperatures", type=float, nargs="+", default=[0.0, 1.0], help="with --synthesize"
+    )
+    parser.add_argument(
         "--precision",
         choices=("auto", "bf16", "fp32"),
         default="auto",
@@ -74,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         )
     # --out is appended to (a rerun resumes), so an existing file is fine; the source never is
     check_destination(args.out, [args.source], overwrite=True, option="--out", is_file=True, creates_folder=True)
+    if args.multi_turn and args.first_turns:
+        raise UserError("--multi-turn and --first-turns contradict each other; pass one")
+    if args.synthesize is not None and args.synthesize < 1:
+        raise UserError(f"--synthesize {args.synthesize}: pass the number of prompts to write, e.g. 2000")
     device = resolve_device(args.device)
     dtype = resolve_precision(args.precision, device)
     if resolve_generator(args.generator, args.target) == "selfdraft":
@@ -83,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = model.tokenizer
     else:
         model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    if args.synthesize is not None:
+        return _synthesize(args, model, tokenizer)
     records = [r for r in load_source(args.source) if "messages" in r]
+    if args.multi_turn:
+        records = [r for r in records if user_turns(r) >= 2]
     if not records:
         raise UserError(f"{args.source} has no chat records to regenerate")
     out = regenerate_assistant_turns(
@@ -100,4 +133,29 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     print(f"wrote {out}")
+    return 0
+
+
+def user_turns(record: dict) -> int:
+    return sum(1 for m in record["messages"] if m["role"] == "user")
+
+
+def _synthesize(args: argparse.Namespace, model, tokenizer) -> int:
+    from selfdraft.training.synthesize import SynthesisConfig, prompts_path, synthesize
+
+    config = SynthesisConfig(
+        prompts=args.synthesize,
+        chunk=args.synth_chunk,
+        temperature=args.synth_temperature,
+        top_p=args.synth_top_p,
+        max_prompt_tokens=args.synth_max_tokens,
+        answer_temperatures=tuple(args.answer_temperatures),
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        heldout_fraction=args.heldout_fraction,
+    )
+    stats = synthesize(model, tokenizer, args.out, config)
+    print(f"synthesis: {stats}")
+    print(f"wrote {args.out} and {prompts_path(args.out)}")
     return 0

@@ -56,14 +56,17 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.prompts import load_prompt_set
     from selfdraft.bench.tune import CANDIDATES, score_trees, score_trees_batched, tree_description
     from selfdraft.inference.model import TREE_FILE, SelfDraftModel
+    from selfdraft.mtbench import refuse_for_selection, refuse_mtbench_texts
     from selfdraft.precision import dtype_name, machine_kind
     from selfdraft.tree_syntax import entry_key, resolve_tree, write_tree_file
 
+    refuse_for_selection(args.prompts, "selfdraft tune")
     if args.batch < 1:
         raise UserError(f"--batch {args.batch}: pass a batch size >= 1")
     if args.batch > 1 and args.temperature > 0:
         raise UserError("--batch tunes the greedy batch tree; drop --temperature (or --batch)")
     texts = load_prompt_set(args.prompts)  # a bad prompt set is refused before the model loads
+    refuse_mtbench_texts([p.text for p in texts], f"selfdraft tune --prompts {args.prompts}")
     model = SelfDraftModel.from_pretrained(
         args.target, heads=args.heads, tree="chain-1", dtype=args.dtype, draft_dtype=args.draft_dtype
     )

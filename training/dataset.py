@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from selfdraft.corpora import load_source
 from selfdraft.errors import UserError
-from selfdraft.splits import is_heldout, opens_heldout
+from selfdraft.splits import heldout_flags, opens_heldout, split_key
 from selfdraft.training.rendering import render_records
 from selfdraft.training.repetition import cut_record_repeats
 
@@ -89,6 +89,20 @@ def _records_dataset(
     return datasets.concatenate_datasets(parts)
 
 
+def _heldout_keys(records: datasets.Dataset, heldout_fraction: float) -> frozenset[str]:
+    """Split keys of the held-out records: the near-duplicate-free split over every source at once
+    (`splits.heldout_flags`), so a copy in one source cannot sit across the split from another's."""
+    rows = records.select_columns(["id", "messages", "text"]).to_list() if len(records) else []
+    rows = [
+        {"id": r["id"], "messages": r["messages"]}
+        if r["messages"] is not None
+        else {"id": r["id"], "text": r["text"]}
+        for r in rows
+    ]
+    flags = heldout_flags(rows, heldout_fraction)
+    return frozenset(split_key(r) for r, held in zip(rows, flags, strict=True) if held)
+
+
 def resolve_num_proc(num_proc: int | None, records: int) -> int:
     """Render processes: `num_proc`, else $SELFDRAFT_NUM_PROC, else one per RECORDS_PER_PROC records
     up to min(usable CPUs, MAX_AUTO_PROCS). Never more than there are records."""
@@ -107,14 +121,16 @@ def resolve_num_proc(num_proc: int | None, records: int) -> int:
     return max(1, min(cpus, MAX_AUTO_PROCS, records // RECORDS_PER_PROC))
 
 
-def _render_batch(batch: dict, tokenizer, max_length: int, heldout_fraction: float) -> dict:
+def _render_batch(
+    batch: dict, tokenizer, max_length: int, heldout_fraction: float, heldout_keys: frozenset[str]
+) -> dict:
     records = [
         {"id": i, "messages": m} if m is not None else {"id": i, "text": t}
         for i, m, t in zip(batch["id"], batch["messages"], batch["text"], strict=True)
     ]
     out: dict[str, list] = {name: [] for name in RENDERED_FEATURES}
     for record, rows in zip(records, render_records(tokenizer, records, max_length), strict=True):
-        held = is_heldout(record, heldout_fraction)
+        held = split_key(record) in heldout_keys
         if not held and opens_heldout(record, heldout_fraction):
             # (a one-turn copy of the conversation, e.g. a self-distilled one, would be held out)
             rows = "their first exchange alone is in the held-out split; training on it would leak held-out text"
@@ -222,7 +238,12 @@ def build_dataset(
         num_proc=procs if procs > 1 else None,
         remove_columns=records.column_names,
         features=RENDERED_FEATURES,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "heldout_fraction": heldout_fraction},
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "max_length": max_length,
+            "heldout_fraction": heldout_fraction,
+            "heldout_keys": _heldout_keys(records, heldout_fraction),
+        },
         cache_file_name=_arrow_file(work, "rendered"),
         load_from_cache_file=False,
         new_fingerprint="rendered",  # a given fingerprint spares hashing the tokenizer
@@ -250,7 +271,10 @@ def build_dataset(
         )
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"heldout_fraction": heldout_fraction, "rule": "sha256(split_key) < fraction"}
+    payload = {
+        "heldout_fraction": heldout_fraction,
+        "rule": "sha256(split_key) < fraction, unless a near-duplicate (first user turn) is trained on",
+    }
     payload["ids"] = sorted(heldout_ids)
     tmp = run_dir / (HELDOUT_FILE + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False))

@@ -4,8 +4,6 @@ as resumable JSONL (a killed run continues where it stopped)."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -15,18 +13,12 @@ from tqdm.auto import tqdm
 from selfdraft.inference.model import SelfDraftModel, shipped_heads_dir
 from selfdraft.splits import is_heldout
 from selfdraft.training.rendering import chat_text
+from selfdraft.training.rowlog import append_rows, read_rows
 
 
 def _finished_ids(out_path: Path) -> set[str]:
-    """Ids already written; a half-written last line (killed mid-write) is cut off so appends stay valid."""
-    if not out_path.exists():
-        return set()
-    data = out_path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep < len(data):
-        with out_path.open("r+b") as fh:
-            fh.truncate(keep)
-    return {json.loads(line)["id"] for line in data[:keep].splitlines() if line.strip()}
+    """Ids already written; a half-written tail (killed mid-write) is cut off so appends stay valid."""
+    return {row["id"] for row in read_rows(out_path)}
 
 
 AnswerFn = Callable[[list[list[int]], int, list[int]], list[list[int]]]
@@ -60,14 +52,14 @@ def resolve_generator(generator: str, target_name: str) -> str:
     return "selfdraft" if shipped_heads_dir(target_name) is not None else "target"
 
 
-def target_answers(model, tokenizer, temperature: float = 0.0) -> AnswerFn:
+def target_answers(model, tokenizer, temperature: float = 0.0, top_p: float | None = None) -> AnswerFn:
     """The target's own batched `generate` (left padding). Every row runs until the batch's longest
     answer ends, so a batch with one long answer costs as much as all answers long. temperature > 0
     samples (seeded by the batch's first seed: the draws depend on the batch, unlike selfdraft's)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = stop_ids(model, tokenizer)
     sampling = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p or 1.0}
         if temperature > 0
         else {"do_sample": False}
     )
@@ -95,7 +87,9 @@ def target_answers(model, tokenizer, temperature: float = 0.0) -> AnswerFn:
     return generate
 
 
-def selfdraft_answers(model: SelfDraftModel, tokenizer, temperature: float = 0.0) -> AnswerFn:
+def selfdraft_answers(
+    model: SelfDraftModel, tokenizer, temperature: float = 0.0, top_p: float | None = None
+) -> AnswerFn:
     """selfdraft's batched speculative `generate`: the same greedy answers (token-identical in float32;
     bf16 can part at near-ties of the target's logits), but a finished row leaves the batch, so short
     answers stop costing as soon as they end, and each step can accept several tokens. temperature > 0
@@ -109,6 +103,7 @@ def selfdraft_answers(model: SelfDraftModel, tokenizer, temperature: float = 0.0
             max_new_tokens,
             stop_token_ids=eos,
             temperature=temperature,
+            top_p=top_p,
             seed=list(seeds) if temperature > 0 else None,
         )
         return [out.tokens for out in outs]
@@ -173,6 +168,14 @@ def _prompt_chars(record: dict) -> int:
     return sum(len(m["content"]) for m in record["messages"] if m["role"] != "assistant")
 
 
+def answer_fn(model, tokenizer, temperature: float = 0.0, top_p: float | None = None):
+    """(the target, its AnswerFn): selfdraft's batched generation for a `SelfDraftModel`, else the
+    target's own batched `generate`."""
+    if isinstance(model, SelfDraftModel):
+        return model.target, selfdraft_answers(model, tokenizer, temperature, top_p)
+    return model, target_answers(model, tokenizer, temperature, top_p)
+
+
 def regenerate_assistant_turns(
     model,
     tokenizer,
@@ -194,13 +197,14 @@ def regenerate_assistant_turns(
     selfdraft's batched generation: finished rows leave the batch; see `selfdraft_answers`).
 
     conversations: records {"id", "messages"}; only system/user turns are kept, every assistant turn is
-    regenerated given the regenerated history. Finished records are appended to a JSONL file (readable
-    by `load_user_dataset`) and flushed per batch; ids already in the file are skipped, so a killed run
-    resumes where it stopped. Records in the held-out split (`splits.is_heldout`, the benchmarks'
-    prompts) are skipped: their regenerated copies would land in the held-out split anyway. With
-    `first_turns`, each record keeps only its first exchange. Batches group prompts of similar length
-    (less left padding); the file's order is therefore not the input's. A turn whose prompt exceeds
-    `max_prompt_tokens` (default: the context minus `max_new_tokens`) ends its conversation there.
+    regenerated given the regenerated history. Finished records are appended to a JSONL file (gzip when
+    its name ends in .gz; readable by `load_user_dataset`), one durable append per batch (`rowlog`); ids
+    already in the file are skipped, so a killed run resumes where it stopped. Records in the held-out
+    split (`splits.is_heldout`, the benchmarks' prompts) are skipped: their regenerated copies would
+    land in the held- out split anyway. With `first_turns`, each record keeps only its first exchange.
+    Batches group prompts of similar length (less left padding); the file's order is therefore not the
+    input's. A turn whose prompt exceeds `max_prompt_tokens` (default: the context minus
+    `max_new_tokens`) ends its conversation there.
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,23 +216,14 @@ def regenerate_assistant_turns(
         seen.add(record["id"])
         todo.append(first_turn(record) if first_turns else record)
     todo.sort(key=_prompt_chars)
-    if isinstance(model, SelfDraftModel):
-        target, generate = model.target, selfdraft_answers(model, tokenizer, temperature)
-    else:
-        target, generate = model, target_answers(model, tokenizer, temperature)
+    target, generate = answer_fn(model, tokenizer, temperature)
     context = getattr(target.config, "max_position_embeddings", None) or 4096
     max_prompt = max(1, context - max_new_tokens)
     if max_prompt_tokens is not None:
         max_prompt = min(max_prompt, max_prompt_tokens)
-    with (
-        out_path.open("a", encoding="utf-8") as fh,
-        tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distill", unit="conv") as bar,
-    ):
+    with tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distill", unit="conv") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            for row in _regenerate_batch(generate, tokenizer, batch, max_new_tokens, max_prompt, seed):
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+            append_rows(out_path, _regenerate_batch(generate, tokenizer, batch, max_new_tokens, max_prompt, seed))
             bar.update(len(batch))
     return out_path

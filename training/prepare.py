@@ -38,6 +38,8 @@ def _split_fingerprint(config: RunConfig, tokenizer) -> dict:
         "heldout_fraction": data.heldout_fraction,
         "seed": data.seed,
         "vocab_size": len(tokenizer),
+        # splits built before held-out near-duplicates of training prompts moved to training differ
+        "split_rule": "near-duplicate-free",
     } | {
         key: value
         for key, value in (("cut_repeats", data.cut_repeats), ("train_tokens", data.train_tokens))

@@ -24,6 +24,7 @@ from selfdraft.destinations import check_destination, staged_folder
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
+from selfdraft.mtbench import refuse_for_selection
 from selfdraft.target import EMBEDDED
 from selfdraft.training.checkpoint import RUN_FILE
 
@@ -400,6 +401,9 @@ def publish(
     a source such as the run folder.
     """
     run_dir, dest = Path(run_dir), Path(dest)
+    for path, _ in selection_benches:  # a choice made on MT-bench would overstate its reported numbers
+        for spec in json.loads(Path(path).read_text()).get("prompt_sets", {}):
+            refuse_for_selection(spec, f"--selection-bench {path}")
     sources = [run_dir, config_path, *(p for p, _ in benches), *(p for p, _ in selection_benches)]
     sources += [*(r for r, _ in earlier), *(c for _, c in earlier)]
     sources += [tree_file] if tree_file else []
