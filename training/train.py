@@ -78,7 +78,8 @@ def _check_init_from(config: RunConfig, heads, target) -> None:
     if h.layout == "eagle3" and loaded.eagle_layout != "eagle3":
         raise UserError(
             f"heads.init_from {h.init_from} holds eagle_layout {loaded.eagle_layout!r} heads, which vLLM and "
-            "SGLang cannot serve, but heads.layout is eagle3; continue from EAGLE-3 heads or drop heads.layout"
+            "SGLang cannot serve, but heads.layout is eagle3 (the default for EAGLE heads); continue from EAGLE-3 "
+            "heads or set heads.layout: selfdraft"
         )
     if h.layout == "eagle3" and loaded.eagle_fc_bias:
         raise UserError(
