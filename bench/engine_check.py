@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -109,6 +110,7 @@ def run_check(
                 },
             )
         )
+        print("check-vllm: " + report_lines(results[-1:])[-1], file=sys.stderr, flush=True)  # progress
         del spec, ours
         gc.collect()
     return results

@@ -213,9 +213,9 @@ def _target_text_config(name_or_path: str):
         config = AutoConfig.from_pretrained(str(path))
     except OSError as err:
         raise ConfigError(
-            f"heads.layout: eagle3 needs the target's depth for its default feature layers, but the config "
-            f"of target {name_or_path!r} cannot be read ({type(err).__name__}); set heads.feature_layers "
-            "and heads.draft_vocab_size, or fix target"
+            f"heads.layout: eagle3 (the default for EAGLE heads) needs the target's depth for its default "
+            f"feature layers, but the config of target {name_or_path!r} cannot be read ({type(err).__name__}); "
+            "set heads.feature_layers and heads.draft_vocab_size, or fix target"
         ) from err
     return getattr(config, "get_text_config", lambda: config)()
 

