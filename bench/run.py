@@ -175,8 +175,16 @@ class Runner:
         if method.kind.startswith("vllm"):
             stop = self.base.default_stop_ids()
             r = self.engines[method.label].generate(ids[0].tolist(), n, temperature, seed, stop)
-            tau = {"tau": r.mean_acceptance_length} if method.kind == "vllm-eagle3" else {}
-            return {"tokens": r.tokens, "seconds": r.seconds, **tau}
+            if method.kind == "vllm":
+                return {"tokens": r.tokens, "seconds": r.seconds}
+            return {  # the columns selfdraft rows have: K drafted + 1 verified token per pass
+                "tokens": r.tokens,
+                "seconds": r.seconds,
+                "tau": r.mean_acceptance_length or 1.0,
+                "per_depth_acceptance": r.per_depth_acceptance,
+                "tree_passes": r.drafts,
+                "tree_tokens": int(method.tree or 3) + 1,
+            }
         extra = {}
         if method.kind == "prompt-lookup":
             extra["prompt_lookup_num_tokens"] = 10

@@ -18,16 +18,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from selfdraft.errors import UserError
 
 VLLM_METHOD = "eagle3"  # vLLM also loads these drafts with "eagle", silently, and then accepts almost nothing
-DRAFTS, DRAFT_TOKENS, ACCEPTED = (
+DRAFTS, DRAFT_TOKENS, ACCEPTED, PER_POS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",  # a Vector: accepted at draft position d
 )
 
 
@@ -50,6 +51,12 @@ class EngineRun:
     drafts: int = 0  # speculative steps (one per verified draft)
     draft_tokens: int = 0
     accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def per_depth_acceptance(self) -> list[float]:
+        """Fraction of drafts whose accepted run reached depth d (d = 1..K), as selfdraft's stats say."""
+        return [a / self.drafts for a in self.accepted_per_pos] if self.drafts else []
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -89,12 +96,14 @@ class VllmEngine:
             seed=seed,
         )
 
-    def _counters(self) -> dict[str, int]:
-        totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED), 0)
+    def _counters(self) -> tuple[dict[str, int], list[int]]:
+        totals, per_pos = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED), 0), [0] * self.k
         for metric in self.llm.get_metrics():
             if metric.name in totals:
                 totals[metric.name] += int(metric.value)
-        return totals
+            elif metric.name == PER_POS:
+                per_pos = [a + int(b) for a, b in zip(per_pos, metric.values, strict=False)]
+        return totals, per_pos
 
     def generate(
         self,
@@ -114,17 +123,18 @@ class VllmEngine:
             seed=seed,
             stop_token_ids=list(stop_token_ids or []),
         )
-        before = self._counters()
+        before, pos_before = self._counters()
         start = time.perf_counter()
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        after = self._counters()
+        after, pos_after = self._counters()
         return EngineRun(
             tokens=list(out[0].outputs[0].token_ids),
             seconds=seconds,
             drafts=after[DRAFTS] - before[DRAFTS],
             draft_tokens=after[DRAFT_TOKENS] - before[DRAFT_TOKENS],
             accepted=after[ACCEPTED] - before[ACCEPTED],
+            accepted_per_pos=[b - a for a, b in zip(pos_before, pos_after, strict=True)],
         )
 
 

@@ -249,7 +249,10 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(run, model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
-    config.write_text("target: x\ndata:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n")
+    config.write_text(
+        "target: x\nheads:\n  layout: selfdraft\n"
+        "data:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n"
+    )
     bench = tmp_path / "bench.json"
     bench.write_text(
         json.dumps(
@@ -348,7 +351,7 @@ def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_ta
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
-    config.write_text("target: x\n")
+    config.write_text("target: x\nheads:\n  layout: selfdraft\n")
 
     def bench(name: str, tau: float, tok_s: float, speedup: float, dtype: str) -> Path:
         row = {"prompts": "sharegpt:4", "temperature": 0.0, "identical_to_baseline": True}
@@ -392,8 +395,11 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     _fake_run(tmp_path / "stage2", model, steps=7, examples=30, seconds=180.0)
     first, second = tmp_path / "one.yaml", tmp_path / "two.yaml"
-    first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
-    second.write_text("target: x\nheads:\n  init_from: stage1/heads\ntrain:\n  micro_batch_size: 3\n")
+    first.write_text("target: x\nheads:\n  layout: selfdraft\ntrain:\n  micro_batch_size: 2\n")
+    second.write_text(
+        "target: x\nheads:\n  layout: selfdraft\n"
+        "  init_from: stage1/heads\ntrain:\n  micro_batch_size: 3\n"
+    )
     dest = publish(
         tmp_path / "stage2",
         tmp_path / "card",
@@ -428,7 +434,7 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     first = tmp_path / "one.yaml"
-    first.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
+    first.write_text("target: x\nheads:\n  layout: selfdraft\ntrain:\n  micro_batch_size: 2\n")
     shipped = publish(
         tmp_path / "stage1", tmp_path / "shipped", target="smollm2-135m-instruct", config_path=first
     )
@@ -454,7 +460,8 @@ def test_publish_inherits_stages_and_counts_a_stopped_run(tmp_path, tiny_target_
     rows_to_dataset(rows).save_to_disk(str(run / "data" / "train"))
     second = tmp_path / "two.yaml"
     second.write_text(
-        f"target: x\nheads:\n  init_from: {shipped}\ntrain:\n  micro_batch_size: 2\n  max_steps: 10\n"
+        f"target: x\nheads:\n  layout: selfdraft\n  init_from: {shipped}\n"
+        "train:\n  micro_batch_size: 2\n  max_steps: 10\n"
     )
     dest = publish(run, tmp_path / "card", target="smollm2-135m-instruct", config_path=second)
     card = (dest / "README.md").read_text()
@@ -484,7 +491,7 @@ def test_publish_puts_compared_studies_with_their_plots_in_the_card(tmp_path, ti
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "one.yaml"
-    config.write_text("target: x\ntrain:\n  micro_batch_size: 2\n")
+    config.write_text("target: x\nheads:\n  layout: selfdraft\ntrain:\n  micro_batch_size: 2\n")
     study = tmp_path / "data-size"
     study.mkdir()
     (study / "compare.md").write_text("| run | train tokens |\n|---|---|\n| small | 23,000 |\n")

@@ -31,7 +31,8 @@ def test_vllm_methods_parse():
 
 
 def test_mean_acceptance_length_counts_the_bonus_token():
-    assert EngineRun([1, 2, 3], 1.0, drafts=4, draft_tokens=12, accepted=6).mean_acceptance_length == 2.5
+    run = EngineRun([1, 2, 3], 1.0, drafts=4, draft_tokens=12, accepted=6, accepted_per_pos=[4, 2, 0])
+    assert run.mean_acceptance_length == 2.5 and run.per_depth_acceptance == [1.0, 0.5, 0.0]
     assert EngineRun([1], 1.0).mean_acceptance_length is None
 
 
