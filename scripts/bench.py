@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         nargs="+",
         default=None,
-        help="baseline prompt-lookup assisted:DRAFT selfdraft:HEADS[:TREE]",
+        help="baseline prompt-lookup assisted:DRAFT selfdraft:HEADS[:TREE], and where vLLM is installed "
+        "vllm vllm:eagle3[:HEADS[:K]]",
     )
     parser.add_argument("--temperatures", nargs="+", type=float, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=None)

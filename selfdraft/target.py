@@ -285,6 +285,19 @@ def check_target_folder(path: Path, name: str) -> None:
         )
 
 
+def embedded_name(name_or_path: str) -> str | None:
+    """The embedded target `name_or_path` names: its embedded name, or a folder named after one (its
+    dequantized cache entry, here or on the machine that recorded the path); None for anything else."""
+    if name_or_path.lower() in EMBEDDED:
+        return name_or_path.lower()
+    folder = Path(name_or_path)
+    if folder.is_dir():  # a folder here: embedded only if a conversion wrote it (its SOURCE file)
+        source = folder / "SOURCE"
+        name = source.read_text().split("\n", 1)[0].strip() if source.is_file() else ""
+        return name if name in EMBEDDED else None
+    return folder.name.lower() if folder.name.lower() in EMBEDDED else None
+
+
 def _check_architecture(model: PreTrainedModel) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):

@@ -89,7 +89,7 @@ def text_run(tmp_path, tiny_target_dir):
             "target": str(tiny_target_dir),
             "output_dir": str(tmp_path / "run"),
             "deepspeed": str(root / f"configs/deepspeed/zero{stage}.json"),
-            "heads": {"kind": "eagle", "draft_vocab_size": 256},
+            "heads": {"kind": "eagle", "layout": "selfdraft", "draft_vocab_size": 256},
             "data": {"sources": [str(texts)], "max_length": 40, "heldout_fraction": 0.1},
             # ttt_steps 1: the short runs these tests need (the default unrolls 7 steps)
             "train": {"micro_batch_size": 2, "lr": 0.001, "warmup_steps": 1, "precision": "fp32", "ttt_steps": 1},

@@ -44,8 +44,9 @@ EAGLE3_FEATURE_LAYERS = 3  # the engines' EAGLE-3 drafters fuse exactly three ta
 @dataclass
 class HeadsSection:
     kind: str = "eagle"  # "eagle" | "medusa"
-    # "selfdraft" | "eagle3" (exportable to vLLM / SGLang; EAGLE only). See LAYOUTS.
-    layout: str = "selfdraft"
+    # "selfdraft" | "eagle3" (exportable to vLLM / SGLang; EAGLE only). See LAYOUTS. None: eagle3 for
+    # EAGLE heads (what you train, you can serve), selfdraft (no meaning) for Medusa heads.
+    layout: str | None = None
     # reduced draft vocabulary (most frequent training tokens); eagle3: None = min(32000, target vocab)
     draft_vocab_size: int | None = None
     # indices into the target's output_hidden_states (-1 = last, post-norm). None: [-1] (selfdraft), or
@@ -150,6 +151,8 @@ class RunConfig:
         """The layout-dependent defaults (None in the file) that do not need the target; eagle3's
         default feature layers and draft vocabulary do (`resolve_for_target`)."""
         h, t = self.heads, self.train
+        if h.layout is None:
+            h.layout = "eagle3" if h.kind == "eagle" else "selfdraft"
         if h.fc_bias is None:
             h.fc_bias = h.layout != "eagle3"
         if t.feature_weight is None:
@@ -249,9 +252,9 @@ def _target_text_config(name_or_path: str):
         config = AutoConfig.from_pretrained(str(path))
     except OSError as err:
         raise ConfigError(
-            f"heads.layout: eagle3 needs the target's depth for its default feature layers, but the config "
-            f"of target {name_or_path!r} cannot be read ({type(err).__name__}); set heads.feature_layers "
-            "and heads.draft_vocab_size, or fix target"
+            f"heads.layout: eagle3 (the default for EAGLE heads) needs the target's depth for its default "
+            f"feature layers, but the config of target {name_or_path!r} cannot be read ({type(err).__name__}); "
+            "set heads.feature_layers and heads.draft_vocab_size, or fix target"
         ) from err
     return getattr(config, "get_text_config", lambda: config)()
 

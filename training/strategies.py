@@ -165,8 +165,8 @@ class Eagle3Objective(EagleObjective):
         if loaded.eagle_layout != "eagle3":
             raise UserError(
                 f"heads.init_from {h.init_from} holds eagle_layout {loaded.eagle_layout!r} heads, which vLLM "
-                "and SGLang cannot serve, but heads.layout is eagle3; continue from EAGLE-3 heads or drop "
-                "heads.layout"
+                "and SGLang cannot serve, but heads.layout is eagle3 (the default for EAGLE heads); continue "
+                "from EAGLE-3 heads or set heads.layout: selfdraft"
             )
         if loaded.eagle_fc_bias:
             raise UserError(

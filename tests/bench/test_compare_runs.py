@@ -20,6 +20,8 @@ def _run(tmp_path: Path, name: str, extra: str, top1: list[float] | None, minute
     config.write_text(
         f"target: x\noutput_dir: {run}\ndata:\n  sources: [data.jsonl]\n  max_length: 128\n"
         f"schedule:\n  eval_examples: 8\n{extra}"
+        # target x has no config to read: runs without heads settings use the layout that needs none
+        + ("" if "heads:" in extra else "heads:\n  layout: selfdraft\n")
     )
     (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 1, "precision": "bfloat16"}))
     log = [{"step": 0, "event": "start", "examples": 40}]
@@ -69,7 +71,7 @@ def test_compare_flags_runs_evaluated_on_other_data_and_refuses_runs_without_eva
     with pytest.raises(UserError, match="no held-out evaluation"):
         read_run(unevaluated)
     untrained = tmp_path / "untrained.yaml"
-    untrained.write_text(f"target: x\noutput_dir: {tmp_path / 'nowhere'}\n")
+    untrained.write_text(f"target: x\noutput_dir: {tmp_path / 'nowhere'}\nheads:\n  layout: selfdraft\n")
     assert main(["compare", str(ref), str(untrained)]) != 0
     err = capsys.readouterr().err
     assert "train it first" in err and "Traceback" not in err

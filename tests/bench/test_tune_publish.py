@@ -248,7 +248,10 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(run, model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
-    config.write_text("target: smollm2-135m-instruct\ndata:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n")
+    config.write_text(
+        "target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\n"
+        "data:\n  sources: [runs/distilled.jsonl, 'sharegpt:100']\n"
+    )
     bench = tmp_path / "bench.json"
     bench.write_text(
         json.dumps(
@@ -345,7 +348,7 @@ def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_ta
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "run.yaml"
-    config.write_text("target: smollm2-135m-instruct\n")
+    config.write_text("target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\n")
 
     def bench(name: str, tau: float, tok_s: float, speedup: float, dtype: str) -> Path:
         row = {"prompts": "sharegpt:4", "temperature": 0.0, "identical_to_baseline": True}
@@ -390,9 +393,10 @@ def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     _fake_run(tmp_path / "stage2", model, steps=7, examples=30, seconds=180.0)
     first, second = tmp_path / "one.yaml", tmp_path / "two.yaml"
-    first.write_text("target: smollm2-135m-instruct\ntrain:\n  micro_batch_size: 2\n")
+    first.write_text("target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\ntrain:\n  micro_batch_size: 2\n")
     second.write_text(
-        "target: smollm2-135m-instruct\nheads:\n  init_from: stage1/heads\ntrain:\n  micro_batch_size: 3\n"
+        "target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\n  init_from: stage1/heads\n"
+        "train:\n  micro_batch_size: 3\n"
     )
     tree = tmp_path / "tree.yaml"
     write_tree_file(tree, resolve_tree("chain-2"))
@@ -431,7 +435,7 @@ def test_publish_counts_a_stopped_run(tmp_path, tiny_target_dir):
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "stage1", model, steps=5, examples=10, seconds=120.0)
     first = tmp_path / "one.yaml"
-    first.write_text("target: smollm2-135m-instruct\ntrain:\n  micro_batch_size: 2\n")
+    first.write_text("target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\ntrain:\n  micro_batch_size: 2\n")
     run = tmp_path / "stage2"
     save_heads(model.heads, run / "heads")
     (run / "run.json").write_text(json.dumps({"fingerprint": "x", "world_size": 2, "precision": "bfloat16"}))
@@ -454,7 +458,7 @@ def test_publish_counts_a_stopped_run(tmp_path, tiny_target_dir):
     rows_to_dataset(rows).save_to_disk(str(run / "data" / "train"))
     second = tmp_path / "two.yaml"
     second.write_text(
-        f"target: smollm2-135m-instruct\nheads:\n  init_from: {tmp_path / 'stage1'}\n"
+        f"target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\n  init_from: {tmp_path / 'stage1'}\n"
         "train:\n  micro_batch_size: 2\n  max_steps: 10\n"
     )
     dest = publish(
@@ -490,7 +494,7 @@ def test_publish_refuses_a_card_over_the_limit_before_writing(tmp_path, tiny_tar
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
     _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
     config = tmp_path / "one.yaml"
-    config.write_text("target: smollm2-135m-instruct\n")
+    config.write_text("target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\n")
     row = {"prompts": "sharegpt:4", "temperature": 0.0, "identical_to_baseline": True, "tokens_per_s": 1.0}
     summary = [{**row, "method": f"selfdraft:runs/heads-{i}", "tau": 2.0, "speedup": 1.5} for i in range(40)]
     bench = tmp_path / "bench.json"

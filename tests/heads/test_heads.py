@@ -182,7 +182,7 @@ def test_run_fusing_more_layers_continues_one_layer_heads(tmp_path, tiny_target_
     def run_heads(layers):
         path = tmp_path / "run.yaml"
         path.write_text(
-            f"target: {tiny_target_dir}\nheads:\n  kind: eagle\n  draft_vocab_size: 40\n"
+            f"target: {tiny_target_dir}\nheads:\n  kind: eagle\n  layout: selfdraft\n  draft_vocab_size: 40\n"
             f"  feature_layers: {layers}\n  init_from: {tmp_path / 'one'}\n"
         )
         return build_run_heads(load_run_config(path), target, None)
@@ -214,7 +214,8 @@ def test_run_with_another_draft_vocab_size_keeps_trained_rows(tmp_path, tiny_tar
     def run_heads(size_line):
         path = tmp_path / "run.yaml"
         path.write_text(
-            f"target: {tiny_target_dir}\nheads:\n  kind: eagle\n{size_line}  init_from: {tmp_path / 'one'}\n"
+            f"target: {tiny_target_dir}\nheads:\n  kind: eagle\n  layout: selfdraft\n{size_line}"
+            f"  init_from: {tmp_path / 'one'}\n"
         )
         return build_run_heads(load_run_config(path), target, train)
 

@@ -372,11 +372,13 @@ def test_export_import_round_trip_is_bit_exact(tmp_path, variant, dtype):
     ours_state = load_file(ours / "model.safetensors")
     assert ours_state["fc.weight"].dtype == dtype  # precision kept
     for engine, prefix in (("vllm", "layers.0."), ("sglang", "midlayer.")):
-        out = export_heads(ours, tmp_path / engine, engine, verifier_name_or_path="org/tiny-llama")
+        out = export_heads(ours, tmp_path / engine, engine, verifier_name_or_path="org/tiny-llama", target=target)
         exported = load_file(out / "model.safetensors")
         renamed = {
             k.replace("midlayer.", prefix).replace("layers.0.", prefix): v for k, v in published.items()
         }
+        if engine == "vllm":  # speculators' format carries the embedding the heads borrow
+            renamed["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to(dtype)
         assert sorted(exported) == sorted(renamed)
         for name, tensor in renamed.items():
             assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
@@ -392,7 +394,8 @@ def test_exported_configs_follow_the_engine_layouts(tmp_path):
     target = target_for("eagle3-original")
     write_eagle3(tmp_path / "published", TINY, "original")
     ours = convert_heads(tmp_path / "published", tmp_path / "ours", target)
-    vllm = json.loads((export_heads(ours, tmp_path / "v", "vllm", "org/tiny") / "config.json").read_text())
+    exported = export_heads(ours, tmp_path / "v", "vllm", "org/tiny", target=target)
+    vllm = json.loads((exported / "config.json").read_text())
     assert vllm["speculators_model_type"] == "eagle3" and vllm["architectures"] == ["Eagle3Speculator"]
     spec = vllm["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
@@ -533,7 +536,7 @@ def test_fresh_eagle3_layout_heads_decode_and_export(tmp_path):
     assert out.tokens == greedy_reference(target, prompt, 12)
     ours = save_heads(heads, tmp_path / "ours")
     for engine in ("vllm", "sglang"):
-        exported = export_heads(ours, tmp_path / engine, engine, verifier_name_or_path="org/tiny")
+        exported = export_heads(ours, tmp_path / engine, engine, verifier_name_or_path="org/tiny", target=target)
         back = load_heads(exported, target)
         for (n1, a), (n2, b) in zip(heads.state_dict().items(), back.state_dict().items(), strict=True):
             assert n1 == n2 and torch.equal(a, b)

@@ -301,18 +301,23 @@ def test_norm_output_feeds_back_the_post_norm_state(tmp_path):
     assert out.tokens == greedy_reference(target, prompt, 10)
 
 
-def test_norm_output_exports_for_vllm_and_is_refused_for_sglang(tmp_path):
+def test_norm_output_exports_for_vllm_and_sglang(tmp_path):
     target = eagle3_target()
-    write_speculators_eagle3(tmp_path / "src", norm_before_residual=False, norm_output=True)
+    tensors = write_speculators_eagle3(tmp_path / "src", norm_before_residual=False, norm_output=True)
     ours = convert_heads(tmp_path / "src", tmp_path / "ours", target)
-    out = export_heads(ours, tmp_path / "vllm", "vllm")
+    out = export_heads(ours, tmp_path / "vllm", "vllm", target=target)
     config = json.loads((out / "config.json").read_text())
     assert config["norm_output"] is True and config["norm_before_residual"] is False
     back = load_heads(out, target)
     assert back.config.eagle_layer_config["norm_output"] is True
-    with pytest.raises(ExportError) as err:
-        export_heads(ours, tmp_path / "sglang", "sglang")
-    assert "norm_output" in _one_line(err) and "--to vllm" in str(err.value)
+    # SGLang 0.5.23 llama_eagle3.py: LlamaModel reads config `norm_output` and feeds back the normed state
+    out = export_heads(ours, tmp_path / "sglang", "sglang")
+    config = json.loads((out / "config.json").read_text())
+    assert config["norm_output"] is True and "norm_before_residual" not in config
+    back = load_heads(out, target)
+    assert back.config.eagle_layer_config["norm_output"] is True
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
+    check_eagle3(back, tensors, "midlayer.", target.get_input_embeddings().weight, norm_output=True)
 
 
 @pytest.mark.parametrize(
@@ -359,9 +364,9 @@ def test_speculators_file_with_an_embedding(tmp_path, same):
     assert heads.config.eagle_own_embedding is (not same)
     check_eagle3(heads, tensors, "layers.0.", embed)
     ours = convert_heads(tmp_path / "src", tmp_path / "ours", target)
-    vllm = load_file(export_heads(ours, tmp_path / "vllm", "vllm") / "model.safetensors")
-    assert ("embed_tokens.weight" in vllm) is (not same)
-    if same:  # the target's own embedding: nothing of it is written, SGLang borrows the target's
+    vllm = load_file(export_heads(ours, tmp_path / "vllm", "vllm", target=target) / "model.safetensors")
+    assert torch.equal(vllm["embed_tokens.weight"], embed)  # the target's copy, or the head's own
+    if same:  # the target's own embedding: SGLang's eagle worker hands the target's to the draft
         assert "embed_tokens.weight" not in load_file(
             export_heads(ours, tmp_path / "sg", "sglang") / "model.safetensors"
         )

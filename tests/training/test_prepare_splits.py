@@ -31,7 +31,8 @@ def config_for(tmp_path, run: str = "run", **data) -> RunConfig:
             for i in range(30)
         ]  # fmt: skip
         source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    raw = {"target": "x", "output_dir": str(tmp_path / run), "data": {"sources": [str(source)], **data}}
+    heads = {"layout": "selfdraft"}  # target x has no config: the layout that needs none
+    raw = {"target": "x", "heads": heads, "output_dir": str(tmp_path / run), "data": {"sources": [str(source)], **data}}
     return build_dataclass(RunConfig, raw)
 
 
@@ -105,6 +106,6 @@ def test_train_tokens_caps_training_rows_and_keeps_the_heldout_split(tmp_path, t
             config_for(tmp_path, "capped", heldout_fraction=0.2, train_tokens=budget + 1), tokenizer
         )
     bad = tmp_path / "bad.yaml"
-    bad.write_text("target: x\ndata:\n  train_tokens: 0\n")
+    bad.write_text("target: x\nheads:\n  layout: selfdraft\ndata:\n  train_tokens: 0\n")
     with pytest.raises(ConfigError, match="train_tokens"):
         load_run_config(bad)

@@ -60,7 +60,8 @@ def test_run_config_cuts_loops_and_its_fingerprint_names_it(tmp_path, tiny_targe
     def write(run: str, extra: str) -> object:
         path = tmp_path / f"{run}.yaml"
         path.write_text(
-            f"target: x\noutput_dir: {tmp_path / run}\ndata:\n  sources: [{source}]\n  heldout_fraction: 0.0\n"
+            "target: x\nheads:\n  layout: selfdraft\n"
+            f"output_dir: {tmp_path / run}\ndata:\n  sources: [{source}]\n  heldout_fraction: 0.0\n"
             + extra
         )
         return path

@@ -1,4 +1,5 @@
-"""`heads.layout: eagle3`: heads trained by `selfdraft train` export to vLLM and SGLang and load back.
+"""`heads.layout: eagle3`, the default for EAGLE heads: heads trained by `selfdraft train` (with no layout
+in the config) export to vLLM and SGLang and load back.
 
 The end-to-end test trains a few steps on a tiny random 8-layer Llama (deep enough for EAGLE-3's default
 fused layers {2, L//2, L-3} = [2, 4, 5] to be three distinct layer inputs), exports the heads with
@@ -36,7 +37,7 @@ def _write(tmp_path: Path, target, heads: dict | None = None, train: dict | None
         "target": str(target),
         "output_dir": str(tmp_path / "run"),
         "deepspeed": str(ROOT / "configs/deepspeed/zero1.json"),
-        "heads": {"kind": "eagle", "layout": "eagle3", **(heads or {})},
+        "heads": {"kind": "eagle", **(heads or {})},  # no layout: the default is what is tested
         "data": {"sources": ["sharegpt"], "limit_records": 16, "max_length": 64, "heldout_fraction": 0.1},
         "train": {
             "max_steps": 4,
@@ -81,9 +82,12 @@ def test_eagle3_layout_defaults(tmp_path, config_only_target):
         _write(tmp_path, config_only_target, heads={"feature_layers": [1, 3, 7], "draft_vocab_size": 64})
     )
     assert explicit.heads.feature_layers == [1, 3, 7] and explicit.heads.draft_vocab_size == 64
-    # the default layout is unchanged: our own head, fc bias, feature loss, last layer
+    # the selfdraft layout, by name: our own head, fc bias, feature loss, last layer
     plain = load_run_config(_write(tmp_path, config_only_target, heads={"layout": "selfdraft"}))
     assert (plain.heads.feature_layers, plain.heads.fc_bias, plain.train.feature_weight) == ([-1], True, 0.1)
+    # Medusa heads have no EAGLE layout: an unset one is no error
+    medusa = load_run_config(_write(tmp_path, config_only_target, heads={"kind": "medusa"}))
+    assert medusa.heads.layout == "selfdraft" and medusa.heads.feature_layers == [-1]
 
 
 @pytest.mark.parametrize(
@@ -91,7 +95,7 @@ def test_eagle3_layout_defaults(tmp_path, config_only_target):
     [
         ({"layout": "eagle-3"}, {}, r"heads.layout: 'eagle-3' is not one of selfdraft, eagle3"),
         ({"fc_bias": True}, {}, r"heads.fc_bias: true cannot be exported"),
-        ({"kind": "medusa"}, {}, r"heads.kind is 'medusa'"),
+        ({"kind": "medusa", "layout": "eagle3"}, {}, r"heads.kind is 'medusa'"),
         ({}, {"feature_weight": 0.1}, r"train.feature_weight: 0.1 with heads.layout: eagle3"),
         ({"feature_layers": [-1]}, {}, r"three distinct target layers"),
         ({"feature_layers": [4, 2, 5]}, {}, r"ascending"),
@@ -185,9 +189,12 @@ def test_trained_eagle3_heads_export_and_load_back(tmp_path, deep_target_dir):
     assert isinstance(trained, ForeignEagleHead)
     prompt = torch.tensor([tokenizer.encode("Tell me about trains and how they run.")])
     expected = _draft_logits(trained, target, prompt)
+    # the run's target is a local folder: vLLM's config must name a hub id, so the export asks for one
+    assert cli(["export", "--to", "vllm", str(trained_dir), str(tmp_path / "refused")]) == 2
+    assert not (tmp_path / "refused").exists()
     for engine in ("vllm", "sglang"):
         dst = tmp_path / engine
-        assert cli(["export", "--to", engine, str(trained_dir), str(dst)]) == 0
+        assert cli(["export", "--to", engine, str(trained_dir), str(dst), "--verifier", "org/tiny"]) == 0
         exported = json.loads((dst / "config.json").read_text())
         layer_ids = (
             exported.get("eagle_aux_hidden_state_layer_ids")
@@ -196,6 +203,11 @@ def test_trained_eagle3_heads_export_and_load_back(tmp_path, deep_target_dir):
         assert layer_ids == ([2, 4, 5] if engine == "vllm" else [1, 3, 4])  # SGLang names layer outputs
         loaded = load_heads(dst, target)
         assert isinstance(loaded, ForeignEagleHead) and loaded.config.feature_layers == [2, 4, 5]
+        # bit-identical heads: every tensor (the vLLM export's copy of the target's embedding is
+        # recognised as the target's and borrowed again, as in the trained heads)
+        mine, back = trained.state_dict(), loaded.state_dict()
+        assert sorted(mine) == sorted(back)
+        assert all(torch.equal(mine[k], back[k]) and mine[k].dtype == back[k].dtype for k in mine)
         assert torch.equal(loaded.draft_vocab.d2t, trained.draft_vocab.d2t)
         assert torch.equal(loaded.draft_vocab.t2d, trained.draft_vocab.t2d)
         # Exact: the export writes the float32 tensors unchanged and the reader rebuilds the same module

@@ -27,7 +27,7 @@ def write_config(tmp_path: Path, target: Path, stage: int = 1, **train) -> Path:
         "target": str(target),
         "output_dir": str(tmp_path / "run"),
         "deepspeed": str(ROOT / f"configs/deepspeed/zero{stage}.json"),
-        "heads": {"kind": "eagle", "draft_vocab_size": 512},
+        "heads": {"kind": "eagle", "layout": "selfdraft", "draft_vocab_size": 512},
         "data": {"sources": ["sharegpt"], "limit_records": 40, "max_length": 96, "heldout_fraction": 0.1},
         "train": {
             "max_steps": 16,

@@ -151,7 +151,7 @@ def _write_config(tmp_path: Path, name: str, target: Path, stage: int, data: dic
         "target": str(target),
         "output_dir": str(tmp_path / name),
         "deepspeed": str(ROOT / f"configs/deepspeed/zero{stage}.json"),
-        "heads": {"kind": "eagle", "draft_vocab_size": 512},
+        "heads": {"kind": "eagle", "layout": "selfdraft", "draft_vocab_size": 512},
         "data": data,
         "train": {"lr": 0.01, "warmup_steps": 1, "ttt_steps": 2, **train},
         "schedule": {"save_every": 100, "eval_every": 100, "log_every": 1, "eval_examples": 4},

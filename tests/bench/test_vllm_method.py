@@ -1,0 +1,58 @@
+"""vLLM as a bench method and the check script, where vLLM is not installed: one-line refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from selfdraft.bench.run import Method, parse_method
+from selfdraft.bench.vllm_engine import EngineRun, parse_vllm_method
+from selfdraft.errors import UserError
+from selfdraft.scripts import check_vllm
+from selfdraft.scripts.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "checkpoints" / "smollm2-135m-instruct-eagle"
+no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+
+
+def test_vllm_methods_parse():
+    assert parse_method("vllm") == Method("vllm", "vllm")
+    assert parse_method("vllm:eagle3") == Method("vllm:eagle3", "vllm-eagle3", "shipped", "3")
+    assert parse_method("vllm:eagle3:runs/x/heads") == Method(
+        "vllm:eagle3:runs/x/heads", "vllm-eagle3", "runs/x/heads", "3"
+    )
+    assert parse_vllm_method("eagle3:runs/x/heads:5") == ("runs/x/heads", 5)
+    for bad in ("vllm:eagle", "vllm:eagle3:h:0"):
+        with pytest.raises(UserError):
+            parse_method(bad)
+
+
+def test_mean_acceptance_length_counts_the_bonus_token():
+    run = EngineRun([1, 2, 3], 1.0, drafts=4, draft_tokens=12, accepted=6, accepted_per_pos=[4, 2, 0])
+    assert run.mean_acceptance_length == 2.5 and run.per_depth_acceptance == [1.0, 0.5, 0.0]
+    assert EngineRun([1], 1.0).mean_acceptance_length is None
+
+
+@no_vllm
+def test_bench_with_vllm_but_without_it_is_one_line(tmp_path, capsys):
+    code = cli(["bench", "--methods", "vllm", "vllm:eagle3", "--output-dir", str(tmp_path), "--prompts", "x"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "Traceback" not in err
+    assert (
+        err.startswith("selfdraft bench: ")
+        and "needs vLLM, which is not installed" in err
+        and "make check-vllm" in err
+    )
+
+
+def test_check_refuses_selfdraft_layout_heads_before_installing(monkeypatch, capsys):
+    def no_install(*args, **kwargs):
+        raise AssertionError("the venv must not be built for heads vLLM cannot serve")
+
+    monkeypatch.setattr(check_vllm, "ensure_venv", no_install)
+    assert check_vllm.main(["--heads", str(SHIPPED)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'selfdraft'" in err and "EAGLE-3-layout heads with --heads" in err
