@@ -1,3 +1,4 @@
+import random
 import sys
 from pathlib import Path
 
@@ -81,7 +82,12 @@ def text_run(tmp_path, tiny_target_dir):
 
     root = Path(__file__).resolve().parent.parent
     texts = tmp_path / "texts.jsonl"
-    rows = [{"id": str(i), "text": " ".join(f"w{(3 * i + j) % 60}" for j in range(40))} for i in range(40)]
+    # each row its own random word sequence: rows that shared their 3-grams would be near-duplicates,
+    # which the split keeps on one side (nothing would be held out)
+    rows = [
+        {"id": str(i), "text": " ".join(f"w{rng.randrange(60)}" for _ in range(40))}
+        for i, rng in enumerate(random.Random(i) for i in range(40))
+    ]
     texts.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def write(stage: int = 1, **sections) -> Path:
