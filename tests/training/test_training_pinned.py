@@ -5,9 +5,9 @@ are exactly those the trainer produced before its objectives moved behind one in
 The numbers were first recorded with the trainer of commit c605cd2 (before the refactor) and the
 refactored trainer reproduced them bit for bit; they were re-recorded once when the training texts
 became near-duplicate-free (the split keeps near-duplicates on one side, and the old shifted-word
-rows were all one group, leaving nothing held out). One process, fp32, one thread. Every value a default might change is written
-out in the configs below (layout, feature / CE weights, ttt steps), so a later default does not move
-the pins.
+rows were all one group, leaving nothing held out). One process, fp32, one thread. Every value a
+default might change is written out in the configs below (layout, feature / CE weights, ttt steps),
+so a later default does not move the pins.
 """
 
 from __future__ import annotations
