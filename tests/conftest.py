@@ -51,24 +51,9 @@ def qwen():
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
     """A tiny random Llama saved with the real SmolLM2 tokenizer (so the chat template is real)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from tiny_models import save_tiny_llama_with_real_tokenizer
 
-    from selfdraft.target import resolve_target_path
-
-    from tiny_models import COMMON
-
-    tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        **{**COMMON, "vocab_size": len(tok)},
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    path = tmp_path_factory.mktemp("tiny-target")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_llama_with_real_tokenizer(tmp_path_factory.mktemp("tiny-target"))
 
 
 @pytest.fixture

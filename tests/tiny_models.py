@@ -70,3 +70,23 @@ def random_heads(target, kind: str, seed: int, draft_vocab_size=None):
         for p in heads.parameters():
             p.normal_(0, 0.02)
     return heads
+
+
+def save_tiny_llama_with_real_tokenizer(path, **overrides):
+    """A tiny random Llama (`COMMON` updated by `overrides`) saved into `path` with the real SmolLM2
+    tokenizer, so chat templates and tokenization are real; returns `path`."""
+    from transformers import AutoTokenizer
+
+    from selfdraft.target import resolve_target_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        **{**COMMON, "vocab_size": len(tok), **overrides},
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

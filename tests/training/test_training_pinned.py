@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,24 +118,9 @@ PINNED: dict[str, dict] = {
 @pytest.fixture(scope="module")
 def deep_tiny_target(tmp_path_factory):
     """A tiny random Llama of four layers (eagle3 fuses three of them) with the real tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from tiny_models import save_tiny_llama_with_real_tokenizer
 
-    from selfdraft.target import resolve_target_path
-
-    from tiny_models import COMMON
-
-    tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        **{**COMMON, "vocab_size": len(tok), "num_hidden_layers": 4},
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    path = tmp_path_factory.mktemp("deep-tiny-target")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_llama_with_real_tokenizer(tmp_path_factory.mktemp("deep-tiny-target"), num_hidden_layers=4)
 
 
 def _config(tmp_path: Path, target: Path, kind: str, init_from: Path | None = None) -> Path:
