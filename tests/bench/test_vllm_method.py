@@ -38,7 +38,7 @@ def test_mean_acceptance_length_counts_the_bonus_token():
 
 @no_vllm
 def test_bench_with_vllm_but_without_it_is_one_line(tmp_path, capsys):
-    code = cli(["bench", "--methods", "vllm", "vllm:eagle3", "--output-dir", str(tmp_path), "--prompts", "x"])
+    code = cli(["bench", "--methods", "vllm", "vllm:eagle3", "--output-dir", str(tmp_path), "--prompts", "humaneval:1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "Traceback" not in err
     assert (

@@ -178,7 +178,7 @@ def _fake_run(root: Path, target_name: str = "smollm2-135m-instruct") -> tuple[P
     (run / "checkpoints" / "step-2").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step-2")
     config = root / "run.yaml"
-    config.write_text(f"target: {target_name}\n")
+    config.write_text(f"target: {target_name}\nheads:\n  layout: selfdraft\n")  # the heads' layout: no target read
     return run, config
 
 
