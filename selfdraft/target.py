@@ -19,8 +19,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from selfdraft.errors import MissingFileError, UserError
+from selfdraft.errors import UserError
 from selfdraft.kv import check_model_takes_cache
+from selfdraft.packaged import packaged_file
 
 ATTENTION_BACKENDS = ("sdpa", "eager")
 CACHE_ENV = "SELFDRAFT_CACHE"
@@ -105,17 +106,8 @@ def missing_packages(model: EmbeddedModel) -> list[str]:
 
 
 def _locate_part(dist: str, relpath: str, model: EmbeddedModel) -> Path:
-    try:
-        path = Path(str(metadata.distribution(dist).locate_file(relpath)))
-    except metadata.PackageNotFoundError as err:
-        raise MissingFileError(
-            f"embedded target {model.name!r} needs the package {dist!r}: {model.install_hint}"
-        ) from err
-    if not path.is_file():
-        raise MissingFileError(
-            f"{dist} is installed but {relpath} is missing; reinstall: {model.install_hint}"
-        )
-    return path
+    missing = f"embedded target {model.name!r} needs the package {dist!r}: {model.install_hint}"
+    return packaged_file(dist, relpath, missing=missing, reinstall=model.install_hint)
 
 
 def _gather(parts: list[Path], out: Path | None, desc: str) -> str:
