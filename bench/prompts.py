@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from selfdraft.corpora import humaneval_path, load_sharegpt
@@ -32,6 +33,13 @@ class Prompt:
 def sharegpt_heldout(limit: int, heldout_fraction: float = 0.02) -> list[Prompt]:
     """First user turns of ShareGPT conversations in the training runs' held-out split: the
     near-duplicate-free one (`splits.heldout_flags`), so no prompt repeats one the heads trained on."""
+    return list(_sharegpt_heldout_prompts(heldout_fraction)[:limit])
+
+
+@lru_cache(maxsize=2)
+def _sharegpt_heldout_prompts(heldout_fraction: float) -> tuple[Prompt, ...]:
+    """Every held-out first turn, once per process: the near-duplicate grouping reads all of ShareGPT
+    (tens of seconds), and a bench or tune run may name several sharegpt sets."""
     out = []
     records = load_sharegpt()
     for record, held in zip(records, heldout_flags(records, heldout_fraction), strict=True):
@@ -40,9 +48,7 @@ def sharegpt_heldout(limit: int, heldout_fraction: float = 0.02) -> list[Prompt]
         first = next((m["content"] for m in record["messages"] if m["role"] == "user"), "")
         if 10 <= len(first) <= 2000:  # skip empty turns and pasted documents
             out.append(Prompt(record["id"], first, chat=True))
-        if len(out) == limit:
-            break
-    return out
+    return tuple(out)
 
 
 def humaneval(limit: int) -> list[Prompt]:
