@@ -618,11 +618,6 @@ def block_causal_mask(
     return additive_mask(torch.tril(torch.ones(query_len, query_len, dtype=torch.bool)), prefix_len, dtype, device)
 
 
-def tree_position_ids(spec: TreeSpec, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """position_ids [1, N] = prefix_len + depth."""
-    return (torch.tensor(spec.depths, dtype=torch.long, device=device) + prefix_len)[None]
-
-
 # Shapes shipped by name; `configs/trees/*.yaml` may define more.
 NAMED_TREES: dict[str, TreeSpec] = {
     "chain-4": TreeSpec.chain(4),
