@@ -1,6 +1,8 @@
 """Every run config in configs/train runs: it loads with the project's own loader, the files it names
 exist, and the heads it continues from (`heads.init_from`) are of its kind, layout and layers."""
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,45 @@ def built_by_the_recipe(path: Path, missing: str) -> bool:
         return False
     recipe = TRAIN / path.name if path.parent.name == "gpu" else path
     return f"--out {source.removesuffix('.gz')}" in recipe.read_text()
+
+
+def restore_command(path: Path, init_from: str) -> str | None:
+    """The `git checkout COMMIT -- FOLDER` line a config states for heads that left the tree, or None."""
+    for line in path.read_text().splitlines():
+        words = line.lstrip("# ").split()
+        if words[:2] == ["git", "checkout"] and words[3:] == ["--", init_from]:
+            return words[2]
+    return None
+
+
+def heads_in_git(commit: str, folder: str) -> HeadsConfig:
+    """The config of the heads `folder` held at `commit` (git must have it, as a full clone of main does)."""
+    shallow = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True
+    )
+    if shallow.stdout.strip() != "false":
+        pytest.skip(f"heads at {commit} need the git history, which this checkout lacks (shallow or no git)")
+    show = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{commit}:{folder}/config.json"], capture_output=True, text=True
+    )
+    assert show.returncode == 0, f"{commit} holds no {folder}/config.json: {show.stderr.strip()}"
+    weights = subprocess.run(
+        ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:{folder}/model.safetensors"]
+    )
+    assert weights.returncode == 0, f"{commit} holds no {folder}/model.safetensors"
+    return HeadsConfig.from_dict(json.loads(show.stdout))
+
+
+def init_from_heads(path: Path, config: RunConfig) -> HeadsConfig:
+    """The heads a config continues: in the tree, or at the commit its header names."""
+    folder = ROOT / config.heads.init_from
+    if (folder / "model.safetensors").is_file():
+        return read_heads_config(folder)
+    commit = restore_command(path, config.heads.init_from)
+    assert commit, (
+        f"{path.name}: no heads in {folder}, and no `git checkout COMMIT -- {config.heads.init_from}`"
+    )
+    return heads_in_git(commit, config.heads.init_from)
 
 
 def _layer_numbers(layers: list[int], depth: int) -> list[int]:
@@ -91,17 +132,13 @@ def test_every_config_loads_and_names_files_that_exist(path):
     config = load_run_config(path)
     assert not [m for m in missing_files(config) if not built_by_the_recipe(path, m)], missing_files(config)
     if config.heads.init_from:
-        folder = ROOT / config.heads.init_from
-        assert (folder / "model.safetensors").is_file(), f"{path.name}: no heads in {folder}"
-        assert init_from_problem(config, read_heads_config(folder)) is None, (
-            path.name,
-            init_from_problem(config, read_heads_config(folder)),
-        )
+        heads = init_from_heads(path, config)
+        assert init_from_problem(config, heads) is None, (path.name, init_from_problem(config, heads))
 
 
-def test_the_shipped_recipe_continues_heads_that_are_in_the_tree():
-    """The exact recipe of the shipped heads is kept runnable: it states their layout and continues
-    heads that are still in the tree."""
+def test_the_shipped_recipe_continues_heads_that_git_holds():
+    """The exact recipe of the shipped heads is kept runnable: it states their layout, and the heads it
+    continues, which left the tree, are restored by the git command its header states."""
     config = load_run_config(TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml")
     assert config.heads.layout == "selfdraft" and config.heads.init_from
     shipped = ROOT / "checkpoints" / "smollm2-135m-instruct-eagle"
@@ -109,6 +146,8 @@ def test_the_shipped_recipe_continues_heads_that_are_in_the_tree():
         TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml"
     ).read_text()
     assert read_heads_config(shipped).eagle_layout == "selfdraft"
+    assert not (ROOT / config.heads.init_from).exists()
+    assert restore_command(TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml", config.heads.init_from)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +164,7 @@ def test_incompatible_init_from_is_caught(tmp_path, edit, problem):
     the shipped recipe's own heads serve as the folder."""
     path = TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml"
     config = load_run_config(path)
-    heads = read_heads_config(ROOT / config.heads.init_from)
+    heads = init_from_heads(path, config)
     assert init_from_problem(config, heads) is None
     for key, value in edit.items():
         setattr(config.heads, key, value)
@@ -133,8 +172,9 @@ def test_incompatible_init_from_is_caught(tmp_path, edit, problem):
 
 
 def test_widening_one_layer_into_several_is_compatible():
-    config = load_run_config(TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml")
-    heads = read_heads_config(ROOT / config.heads.init_from)
+    path = TRAIN / "ablations" / "smollm2-selfdraft-stage18.yaml"
+    config = load_run_config(path)
+    heads = init_from_heads(path, config)
     heads.feature_layers = [-1]  # heads that read the last layer alone, continued on a fused run
     assert init_from_problem(config, heads) is None
 
