@@ -7,6 +7,7 @@ import sys
 from importlib import import_module
 
 from selfdraft.errors import UserError
+from selfdraft.interrupts import was_interrupted
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 COMMANDS = {
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"selfdraft {args.command}: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        if args.debug:
+    except BaseException as err:
+        if args.debug or not was_interrupted(err):
             raise
         print(f"selfdraft {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from selfdraft.corpora import load_source
 from selfdraft.errors import UserError
+from selfdraft.interrupts import quiet_in_workers
 from selfdraft.splits import heldout_flags, opens_heldout, split_key
 from selfdraft.training.rendering import render_records
 from selfdraft.training.repetition import cut_record_repeats
@@ -124,6 +125,7 @@ def resolve_num_proc(num_proc: int | None, records: int) -> int:
 def _render_batch(
     batch: dict, tokenizer, max_length: int, heldout_fraction: float, heldout_keys: frozenset[str]
 ) -> dict:
+    quiet_in_workers()
     records = [
         {"id": i, "messages": m} if m is not None else {"id": i, "text": t}
         for i, m, t in zip(batch["id"], batch["messages"], batch["text"], strict=True)
@@ -146,6 +148,7 @@ def _render_batch(
 
 
 def _explode(ids: list[str], input_ids: list[list], loss_mask: list[list]) -> dict:
+    quiet_in_workers()
     out: dict[str, list] = {name: [] for name in ROW_FEATURES}
     for record_id, rows, masks in zip(ids, input_ids, loss_mask, strict=True):
         out["id"].extend([record_id] * len(rows))
