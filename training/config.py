@@ -193,8 +193,9 @@ class RunConfig:
 
 
 def _eagle3_layers_shaped(layers: list[int]) -> bool:
-    """Three distinct ascending layer inputs, none the embeddings (the depth is checked on the target)."""
-    return len(layers) == EAGLE3_FEATURE_LAYERS and layers[0] >= 1 and layers == sorted(set(layers))
+    """Three distinct ascending layer inputs; 0 is the embeddings, the input of layer 0, which vLLM and
+    SGLang capture too (the depth is checked on the target)."""
+    return len(layers) == EAGLE3_FEATURE_LAYERS and layers[0] >= 0 and layers == sorted(set(layers))
 
 
 def _check_precision(precision: str) -> None:
@@ -231,7 +232,7 @@ def _check_layout(config: RunConfig) -> None:
         if not _eagle3_layers_shaped(layers):
             raise ConfigError(
                 f"heads.feature_layers: {layers} with heads.layout: eagle3, whose heads fuse three distinct "
-                "target layers, written as output_hidden_states indices in ascending order within 1..L-1 "
+                "target layers, written as output_hidden_states indices in ascending order within 0..L-1 "
                 "(what vLLM and SGLang capture); drop the key for EAGLE-3's default {2, L//2, L-3}"
             )
     if h.draft_vocab_size is not None and h.draft_vocab_size < 1:
@@ -276,12 +277,12 @@ def resolve_for_target(config: RunConfig, target_config) -> RunConfig:
         what = f"heads.feature_layers {layers}" if given else f"EAGLE-3's default {{2, L//2, L-3}} = {layers}"
         raise ConfigError(
             f"heads.layout: eagle3 on a target of {depth} layers: {what} are not three distinct ascending "
-            f"layers; set heads.feature_layers to three of 1..{depth - 1}"
+            f"layers; set heads.feature_layers to three of 0..{depth - 1}"
         )
     if layers[-1] > depth - 1:
         raise ConfigError(
             f"heads.feature_layers: {layers} with heads.layout: eagle3 on a target of {depth} layers: the "
-            f"engines capture the inputs of layers 1..{depth - 1} (index {depth} is the final-norm output)"
+            f"engines capture the inputs of layers 0..{depth - 1} (index {depth} is the final-norm output)"
         )
     h.feature_layers = layers
     if h.draft_vocab_size is None:

@@ -99,7 +99,7 @@ def test_eagle3_layout_defaults(tmp_path, config_only_target):
         ({}, {"feature_weight": 0.1}, r"train.feature_weight: 0.1 with heads.layout: eagle3"),
         ({"feature_layers": [-1]}, {}, r"three distinct target layers"),
         ({"feature_layers": [4, 2, 5]}, {}, r"ascending"),
-        ({"feature_layers": [2, 4, 8]}, {}, r"engines capture the inputs of layers 1..7"),
+        ({"feature_layers": [2, 4, 8]}, {}, r"engines capture the inputs of layers 0..7"),
         ({"draft_vocab_size": 97}, {}, r"exceeds the target's vocabulary of 96"),
     ],
 )
@@ -116,12 +116,23 @@ def test_eagle3_layout_refusals(tmp_path, config_only_target, heads, train, matc
     assert isinstance(err.value, ConfigError) and "\n" not in str(err.value)
 
 
+def test_eagle3_may_fuse_the_embeddings(tmp_path, config_only_target):
+    """Index 0 (the embeddings, the input of layer 0) is a layer vLLM and SGLang capture as well."""
+    from transformers import AutoConfig
+
+    from selfdraft.training.config import resolve_for_target
+
+    config = load_run_config(_write(tmp_path, config_only_target, heads={"feature_layers": [0, 2, 5]}))
+    resolve_for_target(config, AutoConfig.from_pretrained(config_only_target))
+    assert config.heads.feature_layers == [0, 2, 5]
+
+
 def test_eagle3_default_layers_need_a_deep_enough_target(tmp_path):
     from transformers import LlamaConfig
 
     shallow = tmp_path / "shallow"
     LlamaConfig(**COMMON).save_pretrained(shallow)  # 2 layers: {2, 1, -1} is no set of layer inputs
-    with pytest.raises(ConfigError, match=r"set heads.feature_layers to three of 1..1"):
+    with pytest.raises(ConfigError, match=r"set heads.feature_layers to three of 0..1"):
         load_run_config(_write(tmp_path, shallow))
 
 
