@@ -50,7 +50,7 @@ class HeadsSection:
     # reduced draft vocabulary (most frequent training tokens); eagle3: None = min(32000, target vocab)
     draft_vocab_size: int | None = None
     # indices into the target's output_hidden_states (-1 = last, post-norm). None: [-1] (selfdraft), or
-    # EAGLE-3's {2, L//2, L-3} (eagle3; three distinct ascending layer inputs in 1..L-1).
+    # EAGLE-3's {2, L//2, L-3} (eagle3; three distinct ascending layer inputs in 0..L-1).
     feature_layers: list[int] | None = None
     fc_bias: bool | None = None  # the EAGLE fc's bias; None: true (selfdraft), false (eagle3, required)
     medusa_num_heads: int = 4

@@ -383,6 +383,67 @@ def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_ta
     assert "9.99" not in card and "99.9" not in card
 
 
+def test_the_card_leads_with_mtbench(tmp_path, tiny_target_dir):
+    """A report bench on MT-bench gives the card's first numbers (right under the title's paragraph,
+    before Load) and is numbered first under Measured, whatever order the benches were passed in."""
+    from selfdraft.training.publish import publish
+
+    torch.manual_seed(0)
+    model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
+    _fake_run(tmp_path / "run", model, steps=5, examples=10, seconds=120.0)
+    config = tmp_path / "run.yaml"
+    config.write_text("target: smollm2-135m-instruct\nheads:\n  layout: selfdraft\n")
+
+    def bench(name: str, prompts: str, rows: list[tuple[float, float, float]], dtype: str) -> Path:
+        summary = [
+            {
+                "prompts": prompts,
+                "method": "baseline",
+                "temperature": 0.0,
+                "tokens_per_s": 10.0,
+                "speedup": 1.0,
+            }
+        ]
+        summary += [
+            {"prompts": prompts, "method": "selfdraft:shipped", "temperature": temperature, "tau": tau}
+            | {"tokens_per_s": 10.0 * speedup, "speedup": speedup, "identical_to_baseline": True}
+            for temperature, tau, speedup in rows
+        ]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"dtypes": {"target": dtype}, "summary": summary}))
+        return path
+
+    sharegpt = bench("sharegpt", "sharegpt:8", [(0.0, 4.56, 2.5)], "bfloat16")
+    mtbench = bench("mtbench", "mtbench", [(0.0, 3.24, 1.85), (1.0, 1.79, 1.4)], "bfloat16")
+    fp32 = bench("fp32", "mtbench", [(0.0, 2.93, 1.35)], "float32")
+    commands = ["selfdraft bench --prompts sharegpt:8", "selfdraft bench --prompts mtbench", "... float32"]
+    dest = publish(
+        tmp_path / "run",
+        tmp_path / "card",
+        target="smollm2-135m-instruct",
+        config_path=config,
+        benches=list(zip([sharegpt, mtbench, fp32], commands, strict=True)),
+    )
+    card = (dest / "README.md").read_text()
+    headline = (
+        "bfloat16 T=0 tau 3.24, **1.85x**; bfloat16 T=1 tau 1.79, **1.40x**; float32 T=0 tau 2.93, **1.35x**."
+    )
+    assert headline in card and card.index(headline) < card.index("## Load")
+    assert "4.56" not in card[: card.index("## Load")]
+    assert card.index("Command: `selfdraft bench --prompts mtbench`") < card.index("Command: `... float32`")
+    assert card.index("Command: `... float32`") < card.index(
+        "Command: `selfdraft bench --prompts sharegpt:8`"
+    )
+    plain = publish(
+        tmp_path / "run",
+        tmp_path / "plain",
+        target="smollm2-135m-instruct",
+        config_path=config,
+        benches=[(sharegpt, commands[0])],
+    )
+    assert "**MT-bench**" not in (plain / "README.md").read_text()
+
+
 def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     """A run continued from an earlier run's heads: the card sums both stages; the folder keeps only
     the last stage's config, in the Hub shape (no per-stage copies, no history file)."""
