@@ -574,7 +574,11 @@ def test_ctrl_c_is_one_line_and_leaves_the_prompts(tmp_path):
     import time
 
     command = [sys.executable, "-m", "selfdraft.scripts.cli"]
-    early = subprocess.Popen([*command, "generate", "--prompt", "hi"], stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child: a background job (nohup make test &) inherits it ignored
+    interruptible = {"preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)}
+    early = subprocess.Popen(
+        [*command, "generate", "--prompt", "hi"], stderr=subprocess.PIPE, text=True, **interruptible
+    )
     time.sleep(0.5)
     early.send_signal(signal.SIGINT)
     _, err = early.communicate(timeout=120)
@@ -584,7 +588,7 @@ def test_ctrl_c_is_one_line_and_leaves_the_prompts(tmp_path):
     out = tmp_path / "answers.jsonl"
     out.write_text("earlier\n")
     argv = ["generate", "--prompts-file", str(prompts), "--out", str(out), "--overwrite", "--batch-size", "1"]
-    late = subprocess.Popen([*command, *argv], stderr=subprocess.PIPE, text=True)
+    late = subprocess.Popen([*command, *argv], stderr=subprocess.PIPE, text=True, **interruptible)
     deadline = time.time() + 120
     while time.time() < deadline and not list(tmp_path.glob(".answers.jsonl.*")):
         time.sleep(0.2)  # generation has started once the temporary output exists
