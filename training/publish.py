@@ -279,8 +279,12 @@ def _verdict(rows: list[dict]) -> str:
     return text
 
 
+def _mtbench_row(row: dict) -> bool:
+    return str(row.get("prompts", "")).startswith("mtbench")
+
+
 def _on_mtbench(bench: dict) -> bool:
-    return any(str(r.get("prompts", "")).startswith("mtbench") for r in bench.get("summary", []))
+    return any(_mtbench_row(r) for r in bench.get("summary", []))
 
 
 def mtbench_headline(benches: Sequence[tuple[dict, str]]) -> list[str]:
@@ -290,7 +294,7 @@ def mtbench_headline(benches: Sequence[tuple[dict, str]]) -> list[str]:
     for bench, _ in benches:
         dtype = bench.get("dtypes", {}).get("target", "target dtype unknown")
         for r in bench.get("summary", []):
-            if str(r.get("prompts", "")).startswith("mtbench") and r.get("tau") is not None:
+            if _mtbench_row(r) and r.get("tau") is not None:
                 parts.append(f"{dtype} T={r['temperature']:g} tau {r['tau']:.2f}, **{r['speedup']:.2f}x**")
     if not parts:
         return []
