@@ -95,16 +95,19 @@ def run(args: argparse.Namespace) -> int:
     )
     cmd = torchrun_command(args)
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    returncode, failure, interrupted = launch(cmd)
+    returncode, failure, stopped_by = launch(cmd)
     from selfdraft.training.checkpoint import latest_tag
     from selfdraft.training.failures import USER_ERROR_EXIT, explain_failure
 
     line = explain_failure(
-        returncode, failure, interrupted, latest_tag(Path(config.output_dir)), resume_command(args)
+        returncode, failure, stopped_by is not None, latest_tag(Path(config.output_dir)), resume_command(args)
     )
     if line:
         print(line, file=sys.stderr, flush=True)
-    return USER_ERROR_EXIT if returncode and failure.exitcode == USER_ERROR_EXIT else returncode
+    if returncode and failure.exitcode == USER_ERROR_EXIT:
+        return USER_ERROR_EXIT
+    # the shell's convention for a job stopped by a signal (130 after Ctrl-C), whatever torchrun returned
+    return 128 + stopped_by if returncode and stopped_by is not None else returncode
 
 
 def _die_with_parent() -> None:
@@ -118,17 +121,25 @@ def _die_with_parent() -> None:
 def launch(cmd: list[str]):
     """Run torchrun and never outlive it nor let it outlive us: signals are passed on, and a killed
     launcher takes torchrun (and so every worker) with it, so no orphan keeps writing the run folder.
-    Its stderr (the workers' too) is shown as it comes, less torchrun's failure report
-    (`TorchrunOutput`). Returns (exit status, the failure torchrun reported, whether we were
-    interrupted)."""
+    Its stderr (the workers' too) is shown as it comes, less torchrun's failure report and its
+    report of the signal we passed on (`TorchrunOutput`). Returns (exit status, the failure torchrun
+    reported, the signal that stopped us or None).
+
+    torchrun runs in a session of its own (its workers each start one too), so a terminal's Ctrl-C
+    reaches only this launcher and torchrun gets exactly one SIGINT, ours: a second one, landing while
+    it shuts its workers down, cut that shutdown short with a traceback."""
     from selfdraft.training.failures import TorchrunOutput
 
-    child = subprocess.Popen(cmd, env=os.environ.copy(), preexec_fn=_die_with_parent, stderr=subprocess.PIPE)
-    interrupted = False
+    child = subprocess.Popen(
+        cmd, env=os.environ.copy(), preexec_fn=_die_with_parent, start_new_session=True, stderr=subprocess.PIPE
+    )
+    stopped_by: int | None = None
 
     def forward(signum, frame):
-        nonlocal interrupted
-        interrupted = True
+        nonlocal stopped_by
+        if stopped_by is not None:  # a second Ctrl-C would only cut torchrun's shutdown of its workers short
+            return
+        stopped_by = signum
         child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -139,7 +150,7 @@ def launch(cmd: list[str]):
             sys.stderr.write(output.feed(decoder.decode(chunk)))
             sys.stderr.flush()
         sys.stderr.write(output.close())
-        return child.wait(), output.failure, interrupted
+        return child.wait(), output.failure, stopped_by
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

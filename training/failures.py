@@ -3,8 +3,8 @@
 torchrun answers a failed worker with a `ChildFailedError` traceback and a table of failures, after
 each surviving rank's own gloo "Connection reset by peer" traceback; none of it tells a user what to do.
 `TorchrunOutput` passes the workers' output through as it comes (progress bars included) but keeps
-torchrun's failure report back, reading from it which rank failed and how; `explain_failure` turns that
-into the line to print.
+torchrun's failure report (and its traceback of a signal it was sent) back, reading from it which rank
+failed and how; `explain_failure` turns that into the line to print.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ INTERRUPTED_EXIT = 130
 # per-worker failure notices and the SIGTERMs it sends the other ranks
 TORCHRUN_LOG = re.compile(r"^[WEI]\d{4} .*torch/distributed/")
 FAILED_ERROR = "ChildFailedError"
+# what torchrun raises when it gets SIGINT / SIGTERM (the launcher passes a user's Ctrl-C on to it): it
+# stops its workers, then lets the exception end it with a traceback that only repeats the signal
+SIGNAL_ERROR = "SignalException"
 
 
 @dataclass
@@ -83,7 +86,7 @@ class TorchrunOutput:
         if FAILED_ERROR in line:
             self._report = 1
             return ""
-        return "".join(block)
+        return "" if SIGNAL_ERROR in line else "".join(block)
 
     def _read_report(self, line: str) -> None:
         if line.startswith("====="):

@@ -97,3 +97,19 @@ def test_the_line_says_what_happened_and_how_to_resume():
     )
     assert explain_failure(1, Failure(0, 2), False, None, resume) is None  # a user error, said already
     assert explain_failure(0, Failure(), False, "step-0000010", resume) is None
+
+
+def test_torchruns_report_of_a_passed_on_signal_is_kept_back():
+    """After the launcher passes a Ctrl-C on, torchrun stops its workers and dies of the SignalException
+    it raised for it: that traceback only repeats the interruption the launcher then explains."""
+    signalled = (
+        "W1206 07:12:01.000000 2707 torch/distributed/elastic/agent/server/api.py:753] Received Signals.SIGINT "
+        "death signal, shutting down workers\n"
+        "Traceback (most recent call last):\n"
+        '  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 86\n'
+        "    raise SignalException(f\"Process {os.getpid()} got signal: {sigval}\", sigval=sigval)\n"
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 2707 got signal: 2\n"
+    )
+    shown, out = _through(BAR + "\n" + signalled, seed=0)
+    assert shown == BAR + "\n"
+    assert out.failure == Failure()

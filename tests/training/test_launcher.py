@@ -105,3 +105,47 @@ def test_a_killed_rank_ends_in_one_line_with_the_resume_command(tmp_path, text_r
     last = err.strip().splitlines()[-1]
     assert last.startswith("selfdraft train: rank 1 was killed (SIGKILL); the last checkpoint is step-"), last
     assert last.endswith(f"continue with: selfdraft train --config {path} --nproc 2 --resume"), last
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_ends_in_one_line_with_the_resume_command(tmp_path, text_run):
+    """A terminal's Ctrl-C reaches the whole foreground process group: the launcher, torchrun and both
+    ranks at once. The run stops with status 130, no traceback from any of them (torchrun's
+    SignalException, a rank's KeyboardInterrupt), the last line saying how to continue, no process left."""
+    path = text_run(train={"max_steps": 100000}, schedule={"save_every": 3, "eval_every": 100000})
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "selfdraft.scripts.cli", "train", "--config", str(path), "--nproc", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, like a terminal's foreground job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job inherits it ignored
+    )
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not (run / "checkpoints" / "latest").is_file():
+            time.sleep(0.5)
+        assert (run / "checkpoints" / "latest").is_file(), "no checkpoint was written"
+        # the terminal's SIGINT must reach torchrun only through the launcher: once, not twice (the
+        # second cut torchrun's shutdown of its workers short with a traceback)
+        torchrun = [p for p in processes_mentioning("torch.distributed.run") if p in processes_mentioning(str(path))]
+        assert torchrun and all(os.getsid(p) != os.getsid(launcher.pid) for p in torchrun)
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, err = launcher.communicate(timeout=120)
+        deadline = time.time() + 30
+        while time.time() < deadline and processes_mentioning(str(path)):
+            time.sleep(0.5)
+        assert processes_mentioning(str(path)) == []
+    finally:
+        for pid in processes_mentioning(str(path)):
+            os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 130, err[-3000:]
+    for noise in ("Traceback", "SignalException", "KeyboardInterrupt", "ChildFailedError"):
+        assert noise not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("selfdraft train: training was interrupted; the last checkpoint is step-"), last
+    assert last.endswith(f"continue with: selfdraft train --config {path} --nproc 2 --resume"), last
