@@ -127,6 +127,23 @@ def test_the_recipe_trains_exportable_heads_from_scratch():
     assert config.heads.fc_bias is False and config.train.feature_weight == 0
 
 
+def test_the_recipe_names_the_heads_a_cpu_session_continues():
+    """The recipe's header tells the next CPU session which heads to continue (`heads.init_from: X`):
+    X is in the tree and the recipe can continue it (kind, layout, layers, draft vocabulary)."""
+    path = TRAIN / "smollm2-135m.yaml"
+    named = [
+        line.split("heads.init_from:", 1)[1].split()[0]
+        for line in path.read_text().splitlines()
+        if line.startswith("#") and "heads.init_from: data/heads/" in line
+    ]
+    assert named, "the header names no heads to continue"
+    config = load_run_config(path)
+    for folder in named:
+        assert (ROOT / folder / "model.safetensors").is_file(), f"{folder} is not in the tree"
+        config.heads.init_from = folder
+        assert init_from_problem(config, read_heads_config(ROOT / folder)) is None
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(TRAIN)))
 def test_every_config_loads_and_names_files_that_exist(path):
     config = load_run_config(path)

@@ -29,6 +29,14 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def survivors(text: str, wait: float = 30.0) -> list[int]:
+    """`processes_mentioning(text)` once they are gone, or after `wait` seconds."""
+    deadline = time.time() + wait
+    while time.time() < deadline and processes_mentioning(text):
+        time.sleep(0.5)
+    return processes_mentioning(text)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 def test_killing_the_launcher_stops_torchrun_and_workers(tmp_path, text_run):
@@ -51,10 +59,7 @@ def test_killing_the_launcher_stops_torchrun_and_workers(tmp_path, text_run):
         assert workers, "no torchrun / worker process found"
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        deadline = time.time() + 30
-        while time.time() < deadline and processes_mentioning(str(path)):
-            time.sleep(0.5)
-        assert processes_mentioning(str(path)) == []
+        assert survivors(str(path)) == []
     finally:
         for pid in processes_mentioning(str(path)):
             os.kill(pid, signal.SIGKILL)
@@ -73,13 +78,11 @@ def _rank_pids(marker: str, rank: str) -> list[int]:
     return found
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_killed_rank_ends_in_one_line_with_the_resume_command(tmp_path, text_run):
-    """kill -9 of rank 1 mid-run: no gloo traceback, no ChildFailedError report; the launcher's last
-    line names the rank, the signal, the last checkpoint and the exact command to continue."""
+def _two_ranks_past_a_checkpoint(tmp_path, text_run, **popen) -> tuple[Path, subprocess.Popen]:
+    """`selfdraft train --nproc 2` of an endless run, once its first checkpoint is written: (its
+    config, the launcher with stderr piped as text)."""
     path = text_run(train={"max_steps": 100000}, schedule={"save_every": 3, "eval_every": 100000})
-    run = tmp_path / "run"
+    latest = tmp_path / "run" / "checkpoints" / "latest"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "selfdraft.scripts.cli", "train", "--config", str(path), "--nproc", "2"],
@@ -87,12 +90,25 @@ def test_a_killed_rank_ends_in_one_line_with_the_resume_command(tmp_path, text_r
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        **popen,
     )
+    deadline = time.time() + 180
+    while time.time() < deadline and not latest.is_file() and launcher.poll() is None:
+        time.sleep(0.5)
+    if not latest.is_file():
+        for pid in processes_mentioning(str(path)):
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail("no checkpoint was written")
+    return path, launcher
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_rank_ends_in_one_line_with_the_resume_command(tmp_path, text_run):
+    """kill -9 of rank 1 mid-run: no gloo traceback, no ChildFailedError report; the launcher's last
+    line names the rank, the signal, the last checkpoint and the exact command to continue."""
+    path, launcher = _two_ranks_past_a_checkpoint(tmp_path, text_run)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and not (run / "checkpoints" / "latest").is_file():
-            time.sleep(0.5)
-        assert (run / "checkpoints" / "latest").is_file(), "no checkpoint was written"
         victims = _rank_pids(str(path), "1")
         assert victims, "rank 1 not found"
         os.kill(victims[0], signal.SIGKILL)
@@ -113,33 +129,20 @@ def test_ctrl_c_ends_in_one_line_with_the_resume_command(tmp_path, text_run):
     """A terminal's Ctrl-C reaches the whole foreground process group: the launcher, torchrun and both
     ranks at once. The run stops with status 130, no traceback from any of them (torchrun's
     SignalException, a rank's KeyboardInterrupt), the last line saying how to continue, no process left."""
-    path = text_run(train={"max_steps": 100000}, schedule={"save_every": 3, "eval_every": 100000})
-    run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "selfdraft.scripts.cli", "train", "--config", str(path), "--nproc", "2"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    path, launcher = _two_ranks_past_a_checkpoint(
+        tmp_path,
+        text_run,
         start_new_session=True,  # its own process group, like a terminal's foreground job
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job inherits it ignored
     )
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and not (run / "checkpoints" / "latest").is_file():
-            time.sleep(0.5)
-        assert (run / "checkpoints" / "latest").is_file(), "no checkpoint was written"
         # the terminal's SIGINT must reach torchrun only through the launcher: once, not twice (the
         # second cut torchrun's shutdown of its workers short with a traceback)
         torchrun = [p for p in processes_mentioning("torch.distributed.run") if p in processes_mentioning(str(path))]
         assert torchrun and all(os.getsid(p) != os.getsid(launcher.pid) for p in torchrun)
         os.killpg(launcher.pid, signal.SIGINT)
         _, err = launcher.communicate(timeout=120)
-        deadline = time.time() + 30
-        while time.time() < deadline and processes_mentioning(str(path)):
-            time.sleep(0.5)
-        assert processes_mentioning(str(path)) == []
+        assert survivors(str(path)) == []
     finally:
         for pid in processes_mentioning(str(path)):
             os.kill(pid, signal.SIGKILL)
