@@ -14,7 +14,6 @@ import signal
 from dataclasses import dataclass
 
 USER_ERROR_EXIT = 2  # a worker's `UserError`: it printed its one line already
-INTERRUPTED_EXIT = 130
 
 # torchrun's own log lines (glog style: "W1206 01:02:03.456000 123 torch/distributed/...] ..."): its
 # per-worker failure notices and the SIGTERMs it sends the other ranks
