@@ -178,6 +178,14 @@ def latest_tag(output_dir: Path) -> str | None:
     return whole[-1] if whole else None
 
 
+def resumable_heads(output_dir: Path) -> Path | None:
+    """The run's own heads export when its folder holds a whole checkpoint to resume: a resume builds
+    its heads from it (their shape; the checkpoint brings the weights), so it no longer needs the
+    heads.init_from folder the run started from (a published stage may have replaced it)."""
+    heads = Path(output_dir) / "heads"
+    return heads if latest_tag(Path(output_dir)) and (heads / "config.json").is_file() else None
+
+
 def mark_latest(output_dir: Path, tag: str) -> None:
     """Name `tag` in `latest` (atomically), once every rank has finished writing it."""
     root = output_dir / "checkpoints"

@@ -23,6 +23,7 @@ import yaml
 
 from selfdraft.errors import MissingFileError
 from selfdraft.precision import cpu_has_native_bf16
+from selfdraft.training.checkpoint import resumable_heads
 from selfdraft.typed_config import ConfigError, build_dataclass
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -330,8 +331,9 @@ def check_paths(config: RunConfig, reads_cache: bool = True) -> None:
     problems = []
     if not Path(config.deepspeed).is_file():
         problems.append(f"deepspeed: {config.deepspeed} is not a file; give the path of a DeepSpeed JSON")
-    if config.heads.init_from and not Path(config.heads.init_from).is_dir():
-        problems.append(f"heads.init_from: {config.heads.init_from} is not a heads folder")
+    init_from = config.heads.init_from
+    if init_from and not Path(init_from).is_dir() and not resumable_heads(Path(config.output_dir)):
+        problems.append(f"heads.init_from: {init_from} is not a heads folder")
     for source in config.data.sources:
         if _looks_like_path(source) and not Path(source).expanduser().exists():
             problems.append(f"data.sources: {source} does not exist")

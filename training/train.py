@@ -67,13 +67,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_run_heads(config: RunConfig, target, train) -> torch.nn.Module:
-    """The run's heads: continued from heads.init_from (checked and adapted by the kind's objective),
-    or new ones of the run config's shape, their projection and draft vocabulary from the target and
-    the training split."""
+def build_run_heads(config: RunConfig, target, train, resuming: bool = False) -> torch.nn.Module:
+    """The run's heads: on a resume, those of its own export (`ckpt.resumable_heads`; the checkpoint
+    then loads their weights); else continued from heads.init_from (checked and adapted by the kind's
+    objective), or new ones of the run config's shape, their projection and draft vocabulary from the
+    target and the training split."""
     h = config.heads
     objective = objective_for(config)
     resolve_for_target(config, target.config)  # idempotent: `main` resolved it already
+    own = ckpt.resumable_heads(Path(config.output_dir)) if resuming else None
+    if own:
+        return load_heads(own, target)
     if h.init_from:
         return objective.continue_from(config, load_heads(h.init_from, target), target, train)
     heads_config = HeadsConfig.for_target(
@@ -289,7 +293,7 @@ def start_run(args: argparse.Namespace, config: RunConfig) -> Run:
     examples = training_examples(config, train, layers, dtype, stored)
     record_run(config, meta, examples, rank)
     heldout = heldout_examples(config, heldout, layers, dtype)
-    heads = build_run_heads(config, target, train).to(device)
+    heads = build_run_heads(config, target, train, resuming=stored is not None).to(device)
     t = config.train
     stream = SampleStream(
         len(examples),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,28 @@ def test_a_run_killed_inside_a_save_resumes_from_the_last_whole_one_and_extends(
     assert after[0]["event"] == "resume" and after[0]["step"] == 4 and after[0]["total_steps"] == 12
     assert [r["step"] for r in after if "loss" in r] == list(range(5, 13))
     assert after[-1]["event"] == "done" and after[-1]["step"] == 12
+
+
+def test_a_resume_no_longer_needs_the_heads_the_run_started_from(tmp_path, text_run):
+    """A run continued from `heads.init_from` resumes after that folder is gone (a published stage
+    replaced it, a fresh clone lacks it): the resume builds its heads from the run's own export, the
+    checkpoint brings their weights."""
+    first = _worker(text_run(train={"max_steps": 2}))
+    assert first.returncode == 0, first.stderr[-3000:]
+    init = tmp_path / "init"
+    (tmp_path / "run" / "heads").rename(init)
+    shutil.rmtree(tmp_path / "run")
+
+    config = text_run(heads={"init_from": str(init)}, train={"max_steps": 4}, schedule={"save_every": 4})
+    continued = _worker(config)
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    shutil.rmtree(init)
+    resumed = _worker(config, "--resume", "--max-steps", "6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = _log(tmp_path / "run")
+    start = next(i for i, r in enumerate(log) if r.get("event") == "resume")
+    assert log[start]["step"] == 4
+    assert [r["step"] for r in log[start:] if "loss" in r] == [5, 6]
+    # a fresh run with the folder missing is still told so, before any work
+    fresh = _worker(config, "--output-dir", str(tmp_path / "other"))
+    assert fresh.returncode == 2 and f"heads.init_from: {init} is not a heads folder" in fresh.stderr
