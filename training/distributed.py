@@ -130,3 +130,14 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(device)
     return rank, world, device
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process groups while the interpreter is still whole. Left to interpreter shutdown,
+    gloo's worker threads can abort a rank (SIGABRT, "terminate called without an active exception")
+    after its run has finished, which fails the job. Only for a rank that finished: a rank stopping on
+    an error must not wait in a teardown on peers that may be gone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -37,7 +37,7 @@ from selfdraft.training.config import (
     resolve_for_target,
     resolve_precision,
 )
-from selfdraft.training.distributed import init_distributed
+from selfdraft.training.distributed import init_distributed, shutdown_distributed
 from selfdraft.training.engine import TimeBudget, build_engine, fed_tokens
 from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, with_features
 from selfdraft.training.feature_cache import HiddenStateCache
@@ -490,6 +490,7 @@ def main(argv=None) -> int:
     progress = resume(run, args.resume)
     train_loop(run, progress)
     finish(run, progress)
+    shutdown_distributed()
     return 0
 
 

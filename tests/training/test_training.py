@@ -202,6 +202,21 @@ def test_deepspeed_private_hook_still_exists():
     assert hasattr(importlib.import_module("deepspeed.comm.torch"), DEEPSPEED_SHM_HOOK)
 
 
+def test_a_finished_worker_destroys_its_process_group(tmp_path, tiny_target_dir):
+    """Process groups left to interpreter shutdown can abort a rank after its run finished (gloo's
+    threads, SIGABRT, the job fails): the worker destroys them before it returns."""
+    config = write_config(tmp_path, tiny_target_dir, max_steps=2)
+    probe = (
+        "import sys, torch.distributed as dist\n"
+        "from selfdraft.training.train import main\n"
+        "code = main(['--config', sys.argv[1]])\n"
+        "print('AFTER', code, dist.is_initialized())\n"
+    )
+    proc = subprocess.run([PY, "-c", probe, str(config)], env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "AFTER 0 False" in proc.stdout, proc.stdout[-500:]
+
+
 def test_single_process_medusa_run(tmp_path, tiny_target_dir):
     """The same worker in one plain process, for Medusa heads with Medusa-1's hard labels."""
     config = write_config(tmp_path, tiny_target_dir, max_steps=6, medusa_hard_labels=True)
