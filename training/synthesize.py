@@ -132,6 +132,9 @@ class SynthesisConfig:
 MAX_BARREN_CHUNKS = 20
 
 
+PROMPTS_LOG = "synthesis prompts log"
+
+
 def prompts_path(out_path: str | Path) -> Path:
     """The prompts file beside an answers file: a.jsonl.gz -> a.prompts.jsonl.gz."""
     out_path = Path(out_path)
@@ -175,7 +178,7 @@ def synthesize(model, tokenizer, out_path: str | Path, config: SynthesisConfig) 
     if config.prompts < 1 or config.chunk < 1:
         raise UserError("--synthesize and the chunk size must be at least 1")
     out_path, ppath = Path(out_path), prompts_path(out_path)
-    rows = read_rows(ppath)
+    rows = read_rows(ppath, key="chunk", what=PROMPTS_LOG)
     done = _chunks_done(rows)
     dedup = Deduper()
     dedup.ban(mtbench_texts())

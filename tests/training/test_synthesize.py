@@ -70,7 +70,7 @@ def test_synthesis_resumes_after_a_kill_without_duplicates(smollm, tmp_path, mon
     stats = synthesize(target, tok, whole, config)
     assert stats["kept"] >= 3 and stats["chunks"] >= 2
     rows = read_rows(whole)
-    prompts = read_rows(synth.prompts_path(whole))
+    prompts = read_rows(synth.prompts_path(whole), key="chunk")
     kept = [r for r in prompts if "messages" in r]
     assert len(rows) == 2 * len(kept) == 2 * stats["kept"]  # a greedy and a sampled answer each
     assert all(r["messages"][0]["role"] == "user" and r["messages"][1]["role"] == "assistant" for r in rows)
@@ -95,7 +95,7 @@ def test_synthesis_resumes_after_a_kill_without_duplicates(smollm, tmp_path, mon
         fh.write(gzip.compress(b'{"id": "torn", "messages": []}\n', mtime=0)[:20])
     assert synthesize(target, tok, part, config) == stats
     assert read_rows(part) == rows
-    assert read_rows(synth.prompts_path(part)) == prompts
+    assert read_rows(synth.prompts_path(part), key="chunk") == prompts
     before = part.read_bytes()
     assert synthesize(target, tok, part, config) == stats  # a finished build resumed adds nothing
     assert part.read_bytes() == before
@@ -112,6 +112,18 @@ def test_multi_turn_keeps_conversations_with_later_turns(capsys):
     assert "contradict" in capsys.readouterr().err
 
 
+def test_distill_with_vllm_but_without_it_is_one_line_naming_the_install(tmp_path, capsys, monkeypatch):
+    from selfdraft.bench import vllm_engine
+    from selfdraft.scripts import cli
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    out = tmp_path / "rows.jsonl"
+    assert cli.main(["distill", "--engine", "vllm", "--source", "sharegpt:2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "vLLM" in err and "make check-vllm" in err
+    assert not out.exists()
+
+
 def test_a_target_that_writes_no_prompt_stops_with_one_line(tiny_target_dir, tmp_path, capsys):
     """A random tiny model writes blank lines: the build stops after MAX_BARREN_CHUNKS chunks, each
     recorded as done (a rerun does not sample them again), with one line saying why."""
@@ -124,7 +136,7 @@ def test_a_target_that_writes_no_prompt_stops_with_one_line(tiny_target_dir, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("selfdraft distill: ") and "kept no prompt" in err[-1]
     assert not any("Traceback" in line for line in err)
-    markers = [r for r in read_rows(synth.prompts_path(out)) if r.get("done")]
+    markers = [r for r in read_rows(synth.prompts_path(out), key="chunk") if r.get("done")]
     assert [m["chunk"] for m in markers] == list(range(synth.MAX_BARREN_CHUNKS))
     assert all(m["kept"] == 0 and sum(m["rejected"].values()) == 2 for m in markers)
     assert not out.exists()
