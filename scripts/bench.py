@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output-dir", default=None)
     parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier report in --output-dir (other files stay)"
+    )
+    parser.add_argument(
         "--batch",
         nargs="+",
         type=int,
@@ -64,12 +67,17 @@ def load_bench_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.report import write_report
     from selfdraft.bench.run import run_bench
-    from selfdraft.destinations import check_destination
+    from selfdraft.destinations import BENCH_REPORT_NAMES, check_destination
 
     config = load_bench_config(args)
-    # its report files are rewritten, the folder's other files stay: only a folder that cannot be
-    # written is refused, before minutes of benchmarking
-    check_destination(config.output_dir, overwrite=True, option="--output-dir")
+    # before minutes of benchmarking: the folder's other files stay, an earlier report only with --overwrite
+    check_destination(
+        config.output_dir,
+        overwrite=args.overwrite,
+        owned=BENCH_REPORT_NAMES,
+        option="--output-dir",
+        shared_folder=True,
+    )
     report = run_bench(config)
     paths = write_report(report, config.output_dir)
     print(paths["markdown"].read_text())

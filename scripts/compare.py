@@ -19,9 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for compare.md and compare.png, plus scaling.png when the runs trained on different "
         "data sizes (data.train_tokens, or snapshots along one run) (default: print only)",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier comparison in --out (other files stay)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from selfdraft.destinations import COMPARE_REPORT_NAMES, check_destination
     from selfdraft.training.comparison import (
         comparison_markdown,
         plot_comparison,
@@ -31,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
         shows_scaling,
     )
 
+    if args.out:
+        check_destination(
+            args.out, overwrite=args.overwrite, owned=COMPARE_REPORT_NAMES, option="--out", shared_folder=True
+        )
     rows = [row for c in args.configs for row in (read_snapshots(c) or [read_run(c)])]
     table = comparison_markdown(rows)
     print(table, end="")

@@ -58,9 +58,11 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.inference.model import TREE_FILE, SelfDraftModel
     from selfdraft.mtbench import refuse_for_selection, refuse_mtbench_texts
     from selfdraft.precision import dtype_name, machine_kind
-    from selfdraft.tree_syntax import entry_key, resolve_tree, write_tree_file
+    from selfdraft.tree_syntax import check_tree_destination, entry_key, resolve_tree, write_tree_file
 
     refuse_for_selection(args.prompts, "selfdraft tune")
+    # checked before the tuning run, which takes minutes: never replace a file that is not a tree file
+    out = check_tree_destination(Path(args.out) if args.out else Path(args.heads) / TREE_FILE)
     if args.batch < 1:
         raise UserError(f"--batch {args.batch}: pass a batch size >= 1")
     if args.batch > 1 and args.temperature > 0:
@@ -92,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
             f"{s.expected_tokens_per_s:8.1f} {s.measured_tokens_per_s:8.1f}"
         )
     best = scores[0]
-    out = Path(args.out) if args.out else Path(args.heads) / TREE_FILE
     dtype = dtype_name(model.target.dtype)
     machine = machine_kind(model.target.device) if args.this_machine else None
     sampling = args.temperature > 0

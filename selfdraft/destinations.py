@@ -1,6 +1,7 @@
 """Where a command writes: never over its own inputs, never over a user's files, never half-written.
 
-Every command that writes a folder or a file (publish, convert, export, generate --out) goes through
+Every command that writes a folder or a file (publish, convert, export, generate --out, bench and
+compare reports, distill's row log, tune's tree file) goes through
 here, so the rules are the same everywhere and are checked before any model loads:
 
 - a destination equal to or inside one of the command's sources is refused (publishing into the run
@@ -46,6 +47,9 @@ HEADS_FOLDER_NAMES = (
 )
 # What `export` writes for vLLM / SGLang.
 ENGINE_FOLDER_NAMES = ("config.json", "model.safetensors")
+# What `bench` and `compare` write into a report folder, which may hold the user's other files.
+BENCH_REPORT_NAMES = ("bench.json", "bench.md", "*.png", "vllm-drafts")
+COMPARE_REPORT_NAMES = ("compare.md", "compare.png", "scaling.png")
 
 OVERWRITE_HINT = "pass --overwrite to replace its {what} (other files stay)"
 
@@ -93,6 +97,7 @@ def check_destination(
     option: str = "--dest",
     is_file: bool = False,
     creates_folder: bool = False,
+    shared_folder: bool = False,
 ) -> Path:
     """Check `dest` before any work; return it resolved. Refused (UserError, naming the fix) when it is
     or lies inside a source, exists and is not empty (unless `overwrite`), is the wrong kind (a file
@@ -100,7 +105,9 @@ def check_destination(
     (a typo in it should not create folders); a folder destination's missing parents are created later.
 
     sources: the command's inputs (files or folders); owned: the names an overwrite may replace;
-    creates_folder: the command creates a file destination's missing folders itself."""
+    creates_folder: the command creates a file destination's missing folders itself;
+    shared_folder: the folder may hold the user's other files (a report folder): only one of the
+    `owned` names already there is refused without `overwrite`."""
     path = _resolved(dest)
     for source in sources:
         src = _resolved(source)
@@ -124,7 +131,13 @@ def check_destination(
         return path
     if path.exists() and not path.is_dir():
         raise UserError(f"{option} {dest} is a file; name a folder to write")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
+    clashes = sorted(p.name for p in path.iterdir() if _owned(p.name, owned)) if path.is_dir() else []
+    if shared_folder and clashes and not overwrite:
+        raise UserError(
+            f"{option} {dest} already holds {', '.join(clashes)}, which this command writes; choose "
+            "another folder, or pass --overwrite to replace them (other files stay)"
+        )
+    if not shared_folder and path.is_dir() and any(path.iterdir()) and not overwrite:
         raise UserError(
             f"{option} {dest} is not empty; choose a new folder, or "
             + OVERWRITE_HINT.format(what=", ".join(owned))

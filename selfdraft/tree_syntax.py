@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from selfdraft.destinations import check_writable, staged_file
 from selfdraft.errors import UserError
 from selfdraft.tree import NAMED_TREES, DynamicTree, LookupTree, PromptLookup, TreeShape, TreeSpec
 
@@ -75,7 +76,7 @@ def _parse_dynamic(text: str) -> DynamicTree:
 def _load_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise UserError(f"{path}: cannot read the tree file ({err}); fix or remove it") from err
     if not isinstance(data, dict):
         raise UserError(f"{path}: a tree file is a YAML mapping (keys: {sorted(FILE_KEYS)})")
@@ -239,7 +240,41 @@ def write_tree_file(
     if key is not None:
         merged = {**entries, key: data}
         data = {k: merged[k] for k in sorted(merged, key=_entry_order)}
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    with staged_file(path) as fh:  # a failed write leaves the old file whole
+        fh.write(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+def check_tree_file(path: Path) -> None:
+    """Every tree of the file parses (each entry's own, `sampling:` and `batch:` trees), or UserError."""
+    data = _load_yaml(path)
+    entries = [(f"{path} [{k}]", v) for k, v in data.items()] if _per_dtype(data) else [(str(path), data)]
+    for where, block in entries:
+        batch_trees(where, block)
+        if isinstance(block, dict) and "sampling" in block:
+            _tree_block(f"{where} [sampling]", block["sampling"])
+        _tree_block(where, block)
+
+
+def check_tree_destination(path: str | Path, option: str = "--out") -> Path:
+    """A tree file to write an entry into, checked before any work: a new .yaml file in a writable
+    folder, or an existing tree file (its other entries stay); anything else is refused untouched."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a folder; name a tree file in it, e.g. {path / 'tree.yaml'}")
+    if path.suffix not in (".yaml", ".yml"):
+        raise UserError(f"{option} {path}: a tree file's name ends in .yaml; name one, e.g. tree.yaml")
+    if path.exists():
+        try:
+            check_tree_file(path)
+        except UserError as err:
+            raise UserError(
+                f"{option} {path} exists and is not a tree file, so it is left as it is ({err}); name a "
+                "new file, or a tree file to add this entry to"
+            ) from err
+    if not path.parent.is_dir():
+        raise UserError(f"{option} {path}: the folder {path.parent} does not exist; create it first")
+    check_writable(path.parent, option)
+    return path
 
 
 def is_tree_file(tree: TreeLike) -> bool:

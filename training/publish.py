@@ -27,6 +27,7 @@ from selfdraft.inference.model import shipped_heads_path
 from selfdraft.mtbench import refuse_for_selection
 from selfdraft.target import EMBEDDED
 from selfdraft.training.checkpoint import RUN_FILE
+from selfdraft.tree_syntax import check_tree_file
 
 # embedded name -> the hub id a model card names as its base_model
 BASE_MODELS = {name: model.hub_id for name, model in EMBEDDED.items()}
@@ -437,6 +438,8 @@ def publish(
     sources += [*(r for r, _ in earlier), *(c for _, c in earlier)]
     sources += [tree_file] if tree_file else []
     check_destination(dest, sources, overwrite=overwrite)
+    if tree_file:
+        check_tree_file(Path(tree_file))  # a binary or invalid file would make generate fail later
     target = card_target(config_path, target)
     heads = load_heads(run_dir / "heads")
     stages = [read_stage(r, c) for r, c in earlier]
