@@ -21,6 +21,7 @@ the same (see `SelfDraftModel.generate` for when they are).
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -195,24 +196,42 @@ def tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeS
 
 
 
+SEED_LIMIT = 2**63  # torch generators take seeds below 2**64; a signed int64 keeps every consumer happy
+
+
+def _seed_int(s) -> int | None:
+    """An integer seed (Python or numpy) in [0, SEED_LIMIT), None when not an integer at all."""
+    if isinstance(s, bool):
+        return None
+    try:
+        value = operator.index(s)
+    except TypeError:
+        return None
+    if not 0 <= value < SEED_LIMIT:
+        raise UserError(f"seed {value} is out of range; pass an integer from 0 to 2**63 - 1")
+    return value
+
+
 def row_seeds(seed, n: int) -> list[int | None]:
     """One seed per row. seed: None (each row's generator is seeded from torch's global RNG, in row
     order), one int s (row i uses s + i, so row i reproduces `generate(prompt_i, seed=s + i)`), or a
-    sequence of n ints/None."""
+    sequence of n ints/None. Integers may be numpy's; each must lie in [0, 2**63)."""
     if seed is None:
         return [None] * n
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        return [seed + i for i in range(n)]
+    if (first := _seed_int(seed)) is not None:
+        _seed_int(first + n - 1)  # the last row's seed is in range too
+        return [first + i for i in range(n)]
     if isinstance(seed, Sequence) and not isinstance(seed, str | bytes):
         seeds = list(seed)
         if len(seeds) != n:
             raise UserError(
                 f"seed has {len(seeds)} entries for {n} prompts; pass one seed per prompt or one int"
             )
-        for s in seeds:
-            if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
+        out = [None if s is None else _seed_int(s) for s in seeds]
+        for s, value in zip(seeds, out, strict=True):
+            if s is not None and value is None:
                 raise UserError(f"seed entries must be integers or None, got {s!r}")
-        return seeds
+        return out
     raise UserError(f"seed must be an int, a list of one int per prompt, or None; got {seed!r}")
 
 

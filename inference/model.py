@@ -359,7 +359,7 @@ class SelfDraftModel:
             spec=spec,
             max_new_tokens=max_new_tokens,
             sampling=sampling,
-            seeds=row_seeds(seed, len(prompts)) if batch else [seed],
+            seeds=row_seeds(seed, len(prompts)),
             stop_token_ids=stops,
             acceptance=acceptance,
             streamer=streamer,

@@ -8,11 +8,21 @@ list it under `data.sources` in a run config.
 from __future__ import annotations
 
 import argparse
+import math
 
 from selfdraft.errors import UserError
 from selfdraft.scripts.options import add_device_argument, resolve_device
 
 BATCH, VLLM_BATCH = 8, 256
+# the options of --synthesize, with their defaults: given without it, they would do nothing
+SYNTH_DEFAULTS = {
+    "--synth-temperature": 1.0,
+    "--synth-top-p": 0.95,
+    "--synth-chunk": 32,
+    "--synth-max-tokens": 128,
+    "--answer-temperatures": [0.0, 1.0],
+}
+SYNTH_FLAGS = tuple(SYNTH_DEFAULTS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,14 +76,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "at --synth-temperature/--synth-top-p), de-duplicated and filtered, each answered at every "
         "--answer-temperatures entry; prompts go to OUT's .prompts file; rerun to resume",
     )
-    parser.add_argument("--synth-temperature", type=float, default=1.0)
-    parser.add_argument("--synth-top-p", type=float, default=0.95)
-    parser.add_argument("--synth-chunk", type=int, default=32, help="prompts sampled per resumable chunk")
+    parser.add_argument("--synth-temperature", type=float, default=SYNTH_DEFAULTS["--synth-temperature"])
+    parser.add_argument("--synth-top-p", type=float, default=SYNTH_DEFAULTS["--synth-top-p"])
     parser.add_argument(
-        "--synth-max-tokens", type=int, default=128, help="a sampled prompt longer than this is dropped"
+        "--synth-chunk", type=int, default=SYNTH_DEFAULTS["--synth-chunk"], help="prompts sampled per resumable chunk"
     )
     parser.add_argument(
-        "--answer-temperatures", type=float, nargs="+", default=[0.0, 1.0], help="with --synthesize"
+        "--synth-max-tokens",
+        type=int,
+        default=SYNTH_DEFAULTS["--synth-max-tokens"],
+        help="a sampled prompt longer than this is dropped",
+    )
+    parser.add_argument(
+        "--answer-temperatures",
+        type=float,
+        nargs="+",
+        default=SYNTH_DEFAULTS["--answer-temperatures"],
+        help="with --synthesize",
     )
     parser.add_argument(
         "--precision",
@@ -96,18 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from selfdraft.corpora import load_source
     from selfdraft.destinations import check_destination
-    from selfdraft.target import load_target, resolve_target_path
-    from selfdraft.training.config import resolve_precision
-    from selfdraft.training.distill import ROW_LOG, regenerate_assistant_turns, resolve_generator
+    from selfdraft.training.distill import ROW_LOG, regenerate_assistant_turns
     from selfdraft.training.rowlog import check_row_log
     from selfdraft.training.synthesize import PROMPTS_LOG, prompts_path
 
-    if args.temperature < 0:
-        raise UserError(f"--temperature {args.temperature} is negative; use 0 (greedy) or a positive value")
+    _check_numbers(args)
     if not 0 <= args.heldout_fraction < 1:
         raise UserError(
             f"--heldout-fraction {args.heldout_fraction} is outside [0, 1): pass the runs' value, e.g. 0.02"
@@ -129,27 +143,16 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size is None:
         args.batch_size = VLLM_BATCH if args.generator == "vllm" else BATCH
     device = resolve_device(args.device)
-    dtype = resolve_precision(args.precision, device)
-    generator = resolve_generator(args.generator, args.target)
-    if generator == "vllm":
-        from selfdraft.training.distill import load_vllm_target
-
-        model = load_vllm_target(args.target, dtype)
-        tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(args.target))
-    elif generator == "selfdraft":
-        from selfdraft.inference import SelfDraftModel
-
-        model = SelfDraftModel.from_pretrained(args.target, dtype=dtype, device=device)
-        tokenizer = model.tokenizer
-    else:
-        model, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    if args.synthesize is not None:
+    records = None
+    if args.synthesize is None:  # the source is read before the model loads: a bad one fails at once
+        records = [r for r in load_source(args.source) if "messages" in r]
+        if args.multi_turn:
+            records = [r for r in records if user_turns(r) >= 2]
+        if not records:
+            raise UserError(f"{args.source} has no chat records to regenerate")
+    model, tokenizer = _load_generator(args, device)
+    if records is None:
         return _synthesize(args, model, tokenizer)
-    records = [r for r in load_source(args.source) if "messages" in r]
-    if args.multi_turn:
-        records = [r for r in records if user_turns(r) >= 2]
-    if not records:
-        raise UserError(f"{args.source} has no chat records to regenerate")
     out = regenerate_assistant_turns(
         model,
         tokenizer,
@@ -165,6 +168,54 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out}")
     return 0
+
+
+def _load_generator(args: argparse.Namespace, device: str):
+    """(what answers, its tokenizer) for --generator: a vLLM engine, selfdraft with the shipped heads,
+    or the target itself."""
+    from transformers import AutoTokenizer
+
+    from selfdraft.target import load_target, resolve_target_path
+    from selfdraft.training.config import resolve_precision
+    from selfdraft.training.distill import load_vllm_target, resolve_generator
+
+    dtype = resolve_precision(args.precision, device)
+    generator = resolve_generator(args.generator, args.target)
+    if generator == "vllm":
+        return load_vllm_target(args.target, dtype), AutoTokenizer.from_pretrained(resolve_target_path(args.target))
+    if generator == "selfdraft":
+        from selfdraft.inference import SelfDraftModel
+
+        model = SelfDraftModel.from_pretrained(args.target, dtype=dtype, device=device)
+        return model, model.tokenizer
+    return load_target(args.target, dtype=dtype, device=device)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every count and temperature, before any work (one line naming the flag and the fix)."""
+    counts = {
+        "--max-new-tokens": args.max_new_tokens,
+        "--batch-size": args.batch_size,
+        "--max-prompt-tokens": args.max_prompt_tokens,
+        "--synth-chunk": args.synth_chunk,
+        "--synth-max-tokens": args.synth_max_tokens,
+    }
+    for flag, value in counts.items():
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: pass a count of at least 1")
+    temperatures = {"--temperature": [args.temperature], "--answer-temperatures": args.answer_temperatures}
+    for flag, values in temperatures.items():
+        for t in values:
+            if not math.isfinite(t) or t < 0:
+                raise UserError(f"{flag} {t}: pass 0 (greedy) or a positive, finite temperature")
+    if not (math.isfinite(args.synth_temperature) and args.synth_temperature > 0):
+        raise UserError(f"--synth-temperature {args.synth_temperature}: prompts are sampled; pass e.g. 1.0")
+    if not 0 < args.synth_top_p <= 1:
+        raise UserError(f"--synth-top-p {args.synth_top_p}: pass a value in (0, 1], e.g. 0.95")
+    if args.synthesize is None:
+        given = [f for f in SYNTH_FLAGS if getattr(args, f.lstrip("-").replace("-", "_")) != SYNTH_DEFAULTS[f]]
+        if given:
+            raise UserError(f"{', '.join(given)} only apply with --synthesize N; drop them or add --synthesize")
 
 
 def user_turns(record: dict) -> int:

@@ -113,12 +113,14 @@ def run_file(args: argparse.Namespace, model, rows: list[dict]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
+    from selfdraft.inference.decoding import row_seeds
 
     if args.out and not args.prompts_file:
         from selfdraft.errors import UserError
 
         raise UserError("--out writes the answers of --prompts-file; pass --prompts-file, or drop --out")
     rows = check_file_arguments(args) if args.prompts_file else None
+    row_seeds(args.seed, len(rows) if rows else 1)  # an out-of-range seed fails before the target loads
     heads = None if args.heads.lower() == "none" else args.heads
     model = SelfDraftModel.from_pretrained(
         args.target,

@@ -8,10 +8,12 @@ Ids are stable across runs (they feed the held-out hash), never list positions.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -196,21 +198,15 @@ def load_user_dataset(path_or_name: str | Path, split: str = "train") -> list[di
     Extra fields are ignored; rows without an `id` get one from a hash of their content.
     """
     path = Path(path_or_name)
+    if path.suffix in (".jsonl", ".json", ".gz") or path.name.endswith(".jsonl.gz"):
+        if path.is_dir():
+            raise UserError(f"{path} is a folder; pass a JSONL file, or a `save_to_disk` folder without a suffix")
+        if not path.exists():
+            raise UserError(f"{path} does not exist; pass an existing JSONL file (.jsonl or .jsonl.gz)")
+    if path.is_file() and (path.name.endswith(".jsonl.gz") or path.suffix == ".gz"):
+        return _read_jsonl(path, gzip.open(path, "rt", encoding="utf-8"))
     if path.is_file() and path.suffix in (".jsonl", ".json") and _looks_like_jsonl(path):
-        out = []
-        with path.open(encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UserError(f"{where}: not valid JSON ({err.msg}); {USER_DATASET_FIELDS}") from err
-                if not isinstance(row, dict):
-                    raise UserError(f"{where}: expected a JSON object; {USER_DATASET_FIELDS}")
-                out.append(normalize_row(row, where))
-        return out
+        return _read_jsonl(path, path.open(encoding="utf-8"))
     import datasets  # deferred: importing `datasets` costs ~1 s and plain JSONL does not need it
 
     if path.is_file():
@@ -224,6 +220,30 @@ def load_user_dataset(path_or_name: str | Path, split: str = "train") -> list[di
     if "messages" not in dataset.column_names and "text" not in dataset.column_names:
         raise UserError(f"{path_or_name}: found columns {dataset.column_names}; {USER_DATASET_FIELDS}")
     return [normalize_row(row, f"{path_or_name}[{i}]") for i, row in enumerate(dataset)]
+
+
+def _read_jsonl(path: Path, fh) -> list[dict]:
+    """The rows of an open JSONL text stream (plain or gzip); a damaged file is one UserError."""
+    out = []
+    try:
+        with fh:
+            for line_no, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise UserError(f"{where}: not valid JSON ({err.msg}); {USER_DATASET_FIELDS}") from err
+                if not isinstance(row, dict):
+                    raise UserError(f"{where}: expected a JSON object; {USER_DATASET_FIELDS}")
+                out.append(normalize_row(row, where))
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as err:  # not gzip, cut short, binary
+        raise UserError(
+            f"{path}: cannot be read as UTF-8 JSON lines ({type(err).__name__}: {err}); pass a JSONL file, "
+            "plain or gzip-compressed, whole"
+        ) from err
+    return out
 
 
 def _looks_like_jsonl(path: Path) -> bool:
@@ -244,7 +264,9 @@ BUILTIN_SOURCES = {
 def load_source(spec: str) -> list[dict]:
     """One source from a run-config string: "sharegpt[:N]", "python-stdlib[:N]", "humaneval-train[:N]"
     (prompts for `selfdraft distill`), or a path / dataset."""
-    name, _, count = spec.partition(":")
-    if name in BUILTIN_SOURCES and (count == "" or count.isdigit()):
+    name, sep, count = spec.partition(":")
+    if name in BUILTIN_SOURCES:
+        if sep and not (count.isdigit() and int(count) >= 1):
+            raise UserError(f"source {spec!r}: {name} takes a count of records, {name}:N with N >= 1, or none")
         return BUILTIN_SOURCES[name](int(count) if count else None)
     return load_user_dataset(spec)

@@ -1,0 +1,48 @@
+"""`generate` seeds and devices: out-of-range values are one line, numpy integers work like ints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from selfdraft.errors import UserError
+from selfdraft.inference import SelfDraftModel
+from selfdraft.scripts import cli
+
+from tiny_models import random_heads, tiny_target
+
+
+@pytest.fixture(scope="module")
+def model():
+    target = tiny_target("llama")
+    return SelfDraftModel(target, None, random_heads(target, "eagle", 0), tree="chain-2")
+
+
+PROMPT = torch.tensor([[4, 8, 15, 16, 23]])
+
+
+@pytest.mark.parametrize("seed", [2**70, -1, 2**63, [1, 2**64]], ids=["2**70", "-1", "2**63", "a row's 2**64"])
+def test_a_seed_out_of_range_is_a_user_error(model, seed):
+    prompts = [PROMPT[0]] * (len(seed) if isinstance(seed, list) else 1)
+    with pytest.raises(UserError, match="out of range"):
+        model.generate(prompts if isinstance(seed, list) else PROMPT, 4, temperature=1.0, seed=seed)
+
+
+def test_a_batch_whose_last_row_seed_overflows_is_refused(model):
+    with pytest.raises(UserError, match="out of range"):
+        model.generate([PROMPT[0]] * 3, 4, temperature=1.0, seed=2**63 - 2)
+
+
+def test_numpy_seeds_draw_what_the_same_ints_draw(model):
+    a = model.generate(PROMPT, 8, temperature=1.0, seed=np.int64(3)).tokens
+    assert a == model.generate(PROMPT, 8, temperature=1.0, seed=3).tokens
+    rows = model.generate([PROMPT[0]] * 2, 8, temperature=1.0, seed=[np.int32(5), None])
+    assert rows[0].tokens == model.generate(PROMPT, 8, temperature=1.0, seed=5).tokens
+
+
+def test_cli_seed_out_of_range_is_one_line(capsys):
+    argv = ["generate", "--prompt", "hi", "--seed", "99999999999999999999999", "--temperature", "1"]
+    assert cli.main([*argv, "--target", "smollm2-135m-instruct", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "out of range" in err
