@@ -21,6 +21,7 @@ SYNTH_DEFAULTS = {
     "--synth-chunk": 32,
     "--synth-max-tokens": 128,
     "--answer-temperatures": [0.0, 1.0],
+    "--synth-system": None,
 }
 SYNTH_FLAGS = tuple(SYNTH_DEFAULTS)
 
@@ -86,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=SYNTH_DEFAULTS["--synth-max-tokens"],
         help="a sampled prompt longer than this is dropped",
+    )
+    parser.add_argument(
+        "--synth-system",
+        default=SYNTH_DEFAULTS["--synth-system"],
+        help="a system turn the target sees while it writes prompts (not while it answers them), to steer "
+        "what it asks, e.g. 'You help people write and debug Python.' for coding requests; default: its "
+        "template's own",
     )
     parser.add_argument(
         "--answer-temperatures",
@@ -236,6 +244,7 @@ def _synthesize(args: argparse.Namespace, model, tokenizer) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
         heldout_fraction=args.heldout_fraction,
+        system=args.synth_system,
     )
     stats = synthesize(model, tokenizer, args.out, config)
     print(f"synthesis: {stats}")

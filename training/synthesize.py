@@ -12,6 +12,7 @@ re-reads finished chunks instead of sampling them again; the answers file is res
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -165,6 +166,14 @@ def _sample_chunk(generate, tokenizer, prefix: list[int], k: int, config: Synthe
     return texts
 
 
+def _id_prefix(config: SynthesisConfig) -> str:
+    """synth:s{seed}, plus a digest of the system turn when one steers the prompts, so builds with
+    different system turns never share a record id."""
+    if config.system is None:
+        return f"synth:s{config.seed}"
+    return f"synth:s{config.seed}:{hashlib.sha256(config.system.encode()).hexdigest()[:8]}"
+
+
 def _answer_id(prompt_id: str, temperature: float) -> str:
     return prompt_id if temperature == 0 else f"{prompt_id}:t{temperature:g}"
 
@@ -211,7 +220,7 @@ def synthesize(model, tokenizer, out_path: str | Path, config: SynthesisConfig) 
                     rejected[why] = rejected.get(why, 0) + 1
                     continue
                 dedup.add(text)
-                record_id = f"synth:s{config.seed}:c{k}:{j}"
+                record_id = f"{_id_prefix(config)}:c{k}:{j}"
                 kept.append({"id": record_id, "chunk": k, "messages": [{"role": "user", "content": text}]})
             marker = {"chunk": k, "done": True, "sampled": config.chunk, "kept": len(kept), "rejected": rejected}
             append_rows(ppath, [*kept, marker])  # prompts and the marker in one append

@@ -140,3 +140,11 @@ def test_a_target_that_writes_no_prompt_stops_with_one_line(tiny_target_dir, tmp
     assert [m["chunk"] for m in markers] == list(range(synth.MAX_BARREN_CHUNKS))
     assert all(m["kept"] == 0 and sum(m["rejected"].values()) == 2 for m in markers)
     assert not out.exists()
+
+
+def test_a_system_turn_gives_its_build_record_ids_of_its_own():
+    plain = SynthesisConfig(prompts=1, seed=1)
+    coding = SynthesisConfig(prompts=1, seed=1, system="You help people write and debug Python.")
+    other = SynthesisConfig(prompts=1, seed=1, system="You answer questions about history.")
+    ids = {synth._id_prefix(c) for c in (plain, coding, other)}
+    assert len(ids) == 3 and synth._id_prefix(plain) == "synth:s1"  # builds without one keep their ids
