@@ -33,6 +33,7 @@ from selfdraft.inference.drafting import heads_precision
 from selfdraft.inference.model import SHIPPED, SelfDraftModel, shipped_heads_dir
 from selfdraft.precision import AUTO, DTYPES, INT8, dtype_name, parse_dtype
 from selfdraft.target import load_target, resolve_target_path
+from selfdraft.typed_config import at_least, count
 
 
 @dataclass
@@ -40,15 +41,15 @@ class BenchConfig:
     target: str = "smollm2-135m-instruct"
     prompts: list[str] = field(default_factory=lambda: ["sharegpt:10", "humaneval:10"])
     methods: list[str] = field(default_factory=lambda: ["baseline", "prompt-lookup", "selfdraft:shipped"])
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    max_new_tokens: int = 128
-    repeats: int = 1
-    threads: int = 2
+    temperatures: list[float] = at_least(0, lambda: [0.0, 1.0], fix="0 (greedy) or positive temperatures")
+    max_new_tokens: int = count(128)
+    repeats: int = count(1, fix="N >= 1 timed runs of each prompt")
+    threads: int = count(2, fix="N >= 1 threads")
     dtype: str = "float32"  # the target's (and the baseline's): float32 keeps greedy output identical
     draft_dtype: str = "auto"  # the heads'; see SelfDraftModel.from_pretrained
-    seed: int = 0
-    verify_curve: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    batch_sizes: list[int] = field(default_factory=list)  # e.g. [1, 4, 8, 16]: the batch section
+    seed: int = at_least(0, 0)
+    verify_curve: list[int] = count(lambda: [1, 2, 4, 8, 16, 32, 64])
+    batch_sizes: list[int] = count(list)  # e.g. [1, 4, 8, 16]: the batch section
     output_dir: str = "runs/bench"
 
 

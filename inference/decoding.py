@@ -194,8 +194,6 @@ def tree_that_fits(spec: TreeShape, prefix_len: int, limit: int | None) -> TreeS
     return TreeSpec.chain(room) if room >= 0 else None
 
 
-
-
 SEED_LIMIT = 2**63  # torch generators take seeds below 2**64; a signed int64 keeps every consumer happy
 
 

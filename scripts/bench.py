@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-import yaml
 
 from selfdraft.scripts.options import add_precision_arguments
 
@@ -42,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_bench_config(args: argparse.Namespace):
     from selfdraft.bench.run import BenchConfig
-    from selfdraft.typed_config import build_dataclass
+    from selfdraft.typed_config import build_dataclass, read_yaml
 
-    raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    raw = (read_yaml(args.config, "bench config") or {}) if args.config else {}
     for key in (
         "target",
         "prompts",

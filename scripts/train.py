@@ -36,6 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_num_proc_argument(parser)
 
 
+def _check_launch(args: argparse.Namespace) -> None:
+    """The launch flags, before any work: counts >= 1 and a node rank inside the node count."""
+    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes), ("--max-steps", args.max_steps)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: pass a count of at least 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(
+            f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: node ranks run from 0 to {args.nnodes - 1}"
+        )
+
+
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"]
     if args.nnodes > 1:
@@ -77,15 +88,25 @@ def resume_command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.scripts.prepare import prepare_from_config
+    from selfdraft.training.checkpoint import RUN_FILE
     from selfdraft.training.config import check_paths, load_run_config
 
     # Every node prepares before its ranks start, in parallel: with node-local storage each node needs
     # its own splits (and feature cache); on a shared filesystem the builders' locks make one node build
     # and the others reuse it. Preparing on node 0 alone would leave the other nodes waiting at the
     # rendezvous for as long as the preparation takes.
+    _check_launch(args)
     overrides = {"output_dir": args.output_dir} if args.output_dir else {}
     config = load_run_config(args.config, overrides)
     check_paths(config)  # every file the run reads, before any work
+    output_dir = Path(config.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"output_dir {output_dir} is a file; name a folder for the run")
+    if args.resume and not (output_dir / RUN_FILE).is_file():
+        raise UserError(
+            f"--resume: {output_dir} holds no run to continue (no {RUN_FILE}); drop --resume to start it, "
+            "or pass the output_dir of the run to continue"
+        )
     prepare_from_config(
         args.config,
         args.output_dir,

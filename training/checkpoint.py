@@ -61,6 +61,11 @@ def check_meta(output_dir: Path, meta: dict, resume: bool) -> None:
 
     Read-only, so every rank runs it and fails the same way before any collective call."""
     path = output_dir / RUN_FILE
+    if resume and not path.is_file():
+        raise ResumeError(
+            f"--resume: {output_dir} holds no run to continue (no {RUN_FILE}); drop --resume to start it, "
+            "or pass the output_dir of the run to continue"
+        )
     if path.is_file():
         stored = json.loads(path.read_text())
         if not resume:

@@ -19,12 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
 from selfdraft.errors import MissingFileError
 from selfdraft.precision import cpu_has_native_bf16
 from selfdraft.training.checkpoint import resumable_heads
-from selfdraft.typed_config import ConfigError, build_dataclass
+from selfdraft.typed_config import (
+    ConfigError,
+    at_least,
+    build_dataclass,
+    count,
+    fraction,
+    positive,
+    read_yaml,
+)
 
 PRECISIONS = ("auto", "bf16", "fp32")
 LR_SCHEDULES = ("cosine", "constant")
@@ -49,13 +56,13 @@ class HeadsSection:
     # EAGLE heads (what you train, you can serve), selfdraft (no meaning) for Medusa heads.
     layout: str | None = None
     # reduced draft vocabulary (most frequent training tokens); eagle3: None = min(32000, target vocab)
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | None = count(None)
     # indices into the target's output_hidden_states (-1 = last, post-norm). None: [-1] (selfdraft), or
     # EAGLE-3's {2, L//2, L-3} (eagle3; three distinct ascending layer inputs in 0..L-1).
     feature_layers: list[int] | None = None
     fc_bias: bool | None = None  # the EAGLE fc's bias; None: true (selfdraft), false (eagle3, required)
-    medusa_num_heads: int = 4
-    medusa_num_layers: int = 1
+    medusa_num_heads: int = count(4)
+    medusa_num_layers: int = count(1)
     medusa_own_lm_head: bool = False
     init_from: str | None = None  # a heads folder to continue from (fine-tuning)
 
@@ -65,60 +72,61 @@ class DataSection:
     sources: list[str] = field(
         default_factory=lambda: ["sharegpt"]
     )  # sharegpt | python-stdlib | path | hf name
-    max_length: int = 512
-    limit_records: int | None = None
-    heldout_fraction: float = 0.02
-    seed: int = 0
+    max_length: int = at_least(2, 512, fix="a length of at least 2 tokens, e.g. 512")
+    limit_records: int | None = count(None)
+    heldout_fraction: float = fraction(0.02)
+    seed: int = at_least(0, 0)
     feature_cache: str | None = None  # folder for cached target features; None = computed online
     partial_cache: bool = False  # train on the shards cached so far (a staged, resumable data build)
     # cut each assistant turn before an 8-word phrase starts for the (n+1)-th time (generated loops);
     # None keeps the text as it is
-    cut_repeats: int | None = None
+    cut_repeats: int | None = count(None, fix="N >= 1 (keep a phrase's first N occurrences), or leave it out")
     # keep only the first rows of the shuffled training split up to this many tokens (data-size
     # studies); the held-out split is the same whatever the budget. None = every row
-    train_tokens: int | None = None
+    train_tokens: int | None = count(None, fix="a budget of N >= 1 tokens, or leave it out")
 
 
 @dataclass
 class TrainSection:
-    epochs: float = 1.0
-    max_steps: int | None = None  # overrides epochs when set
+    epochs: float = positive(1.0, fix="a positive number of passes over the data, e.g. 1")
+    # overrides epochs when set
+    max_steps: int | None = count(None, fix="N >= 1 steps, or leave it out to train `epochs`")
     # a wall-clock budget for the training loop (resumes add up): the run stops at the first step past
     # it, and the cosine runs on the larger of step and time progress, so a lease of N minutes ends on
     # a decayed lr whatever the hardware's speed; max_steps / epochs still cap it
-    max_minutes: float | None = None
-    micro_batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
+    max_minutes: float | None = positive(None, fix="a positive number of minutes, or leave it out")
+    micro_batch_size: int = count(4)
+    gradient_accumulation_steps: int = count(1)
+    lr: float = positive(3e-4, fix="a learning rate > 0, e.g. 0.0003")
+    weight_decay: float = at_least(0, 0.0)
+    warmup_steps: int = at_least(0, 20)
     # "cosine": down to a tenth of lr by the last step; "constant": lr after the warmup, so snapshots
     # taken along one run (schedule.snapshot_tokens) each stand for a run stopped there
     lr_schedule: str = "cosine"
-    grad_clip: float = 1.0
+    grad_clip: float = at_least(0, 1.0)
     # EAGLE "training-time test": unroll the head on its own features n times (step j trains draft depth
     # j+1 on the head's own earlier outputs, as tree drafting feeds it). 7 is EAGLE-3's; deeper drafts
     # need it: on SmolLM2 (configs/train/ablations/compare.md, 300 steps each) 4 steps instead of 2 raised
     # held-out top-1 at depths 3 / 4 from 0.085 / 0.108 to 0.262 / 0.255 for 13% more time. Each step
     # costs about one head forward; short CPU runs set 2.
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8  # weight of unroll step j: decay**j (EAGLE-3's 0.8)
+    ttt_steps: int = count(7)
+    ttt_decay: float = positive(0.8)  # weight of unroll step j: decay**j (EAGLE-3's 0.8)
     # SmoothL1 on predicted features (EAGLE-1); 0 disables. None: 0.1 (selfdraft), 0 (eagle3, which
     # drops the feature loss: its head's output is a pre-norm state, not the target's feature).
     # EAGLE-1 weighs them the other way (feature 1.0, CE 0.1); here the CE leads because acceptance
     # depends on the draft's token distribution only and the CE is against the target's full soft
     # distribution, while the feature term is a regulariser that the unrolled steps and EAGLE-3 drop
     # entirely (not ablated here: every shipped SmolLM2 stage trained with 0.1 / 1.0).
-    feature_weight: float | None = None
-    ce_weight: float = 1.0  # soft CE / forward KL against the target's distribution
+    feature_weight: float | None = at_least(0, None)
+    ce_weight: float = at_least(0, 1.0)  # soft CE / forward KL against the target's distribution
     # EAGLE only, with a draft vocabulary: no loss where the target's greedy token is outside it (EAGLE-3)
     mask_out_of_vocab: bool = True
-    medusa_decay: float = 0.8
+    medusa_decay: float = positive(0.8)
     medusa_hard_labels: bool = False  # CE on the text tokens (Medusa-1) instead of the target's distribution
-    seed: int = 0
+    seed: int = at_least(0, 0)
     # 0: random micro-batches; W: micro-batches of similar lengths, sorted within windows of W steps'
     # examples (windows and batch order still random), so less compute goes to padding
-    length_grouping: int = 0
+    length_grouping: int = at_least(0, 0, fix="0 (random batches) or a window of N >= 1 steps")
     # auto | bf16 | fp32: the dtype of the frozen target, its features and the heads' compute (see
     # `resolve_precision`). bf16 keeps fp32 master weights in the optimizer (DeepSpeed's bf16 mode).
     precision: str = "auto"
@@ -126,16 +134,16 @@ class TrainSection:
 
 @dataclass
 class ScheduleSection:
-    save_every: int = 200
-    eval_every: int = 200
-    log_every: int = 10
-    eval_examples: int = 64
+    save_every: int = count(200)
+    eval_every: int = count(200)
+    log_every: int = count(10)
+    eval_examples: int = count(64)
     eval_tree: str = "small"  # tree whose acceptance length evaluation simulates (besides a chain)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = count(2)
     # token counts at which the heads are also kept, in snapshots/tokens-N: at the step whose tokens fed
     # (every rank's attention-mask ones) first reach N. A data-size curve from one run: with
     # train.lr_schedule constant and at most one epoch, the heads at N have seen N tokens of distinct data
-    snapshot_tokens: list[int] = field(default_factory=list)
+    snapshot_tokens: list[int] = count(list, fix="token counts >= 1 at which to keep the heads")
 
 
 @dataclass
@@ -353,9 +361,11 @@ def check_paths(config: RunConfig, reads_cache: bool = True) -> None:
 def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
     """Read a run config; `overrides` is a nested dict merged over the file (CLI flags). Relative
     paths are resolved as the module docstring says (`check_paths` checks them)."""
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise MissingFileError(f"run config {path} does not exist; pass the path of a YAML run config")
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = read_yaml(path, "run config")
+    if raw is None:
+        raise ConfigError(f"run config {path} is empty; a recipe names at least its target and output_dir")
     for key, value in (overrides or {}).items():
         raw.setdefault(key, {}).update(value) if isinstance(value, dict) else raw.__setitem__(key, value)
     config = resolve_paths(build_dataclass(RunConfig, raw), Path(path).resolve().parent)
@@ -366,30 +376,6 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     if config.train.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(
             f"train.lr_schedule: {config.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
-        )
-    if config.train.max_minutes is not None and not config.train.max_minutes > 0:
-        raise ConfigError(
-            f"train.max_minutes: {config.train.max_minutes}; use a positive number of minutes or leave it out"
-        )
-    if any(n < 1 for n in config.schedule.snapshot_tokens):
-        raise ConfigError(
-            f"schedule.snapshot_tokens: {config.schedule.snapshot_tokens}; list token counts >= 1 at which "
-            "to keep the heads"
-        )
-    if config.train.length_grouping < 0:
-        raise ConfigError(
-            f"train.length_grouping: {config.train.length_grouping}; use 0 (random batches) or a window of "
-            "N >= 1 steps"
-        )
-    if config.data.cut_repeats is not None and config.data.cut_repeats < 1:
-        raise ConfigError(
-            f"data.cut_repeats: {config.data.cut_repeats}; use N >= 1 (keep a phrase's first N occurrences) "
-            "or leave it out to keep answers whole"
-        )
-    if config.data.train_tokens is not None and config.data.train_tokens < 1:
-        raise ConfigError(
-            f"data.train_tokens: {config.data.train_tokens}; use N >= 1 (a budget of training tokens) or "
-            "leave it out to train on every row"
         )
     if config.heads.layout == "eagle3" and config.heads.feature_layers is None:
         # what `selfdraft prepare` caches must already be these layers: resolve them from the target

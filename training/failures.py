@@ -122,5 +122,8 @@ def explain_failure(returncode: int, failure: Failure, interrupted: bool, last_t
     if returncode == 0 or failure.exitcode == USER_ERROR_EXIT:
         return None
     what = "training was interrupted" if interrupted else _what(failure)
-    kept = f"the last checkpoint is {last_tag}" if last_tag else "no checkpoint was written yet"
-    return f"selfdraft train: {what}; {kept}; continue with: {resume}"
+    if last_tag:
+        return f"selfdraft train: {what}; the last checkpoint is {last_tag}; continue with: {resume}"
+    # nothing saved: the same command without --resume starts the run over
+    start = resume.removesuffix(" --resume")
+    return f"selfdraft train: {what}; no checkpoint was written yet; start it again with: {start}"

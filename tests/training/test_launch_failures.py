@@ -91,12 +91,40 @@ def test_the_line_says_what_happened_and_how_to_resume():
         "selfdraft train: rank 1 was killed (SIGKILL); the last checkpoint is step-0000010; continue with: "
         + resume
     )
-    assert "no checkpoint was written yet" in explain_failure(1, Failure(0, 1), False, None, resume)
+    fresh = explain_failure(1, Failure(0, 1), False, None, resume)
+    assert fresh.endswith("no checkpoint was written yet; start it again with: " + resume.removesuffix(" --resume"))
     assert explain_failure(130, Failure(), True, "step-0000004", resume).startswith(
         "selfdraft train: training was interrupted;"
     )
     assert explain_failure(1, Failure(0, 2), False, None, resume) is None  # a user error, said already
     assert explain_failure(0, Failure(), False, "step-0000010", resume) is None
+
+
+def test_resume_with_no_run_to_continue_is_one_line(tmp_path, capsys):
+    from selfdraft.scripts import cli
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"target: smollm2-135m-instruct\noutput_dir: {tmp_path / 'empty'}\n")
+    assert cli.main(["train", "--config", str(config), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds no run to continue" in err and "drop --resume" in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--nproc", "0"], "--nproc 0: pass a count of at least 1"),
+        (["--nproc", "-1"], "--nproc -1: pass a count of at least 1"),
+        (["--max-steps", "-1"], "--max-steps -1: pass a count"),
+        (["--nnodes", "1", "--node-rank", "3"], "node ranks run from 0 to 0"),
+    ],
+)
+def test_launch_flags_out_of_range_are_one_line(tmp_path, capsys, flags, words):
+    from selfdraft.scripts import cli
+
+    assert cli.main(["train", "--config", str(tmp_path / "no.yaml"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
 
 
 def test_torchruns_report_of_a_passed_on_signal_is_kept_back():
