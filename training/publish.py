@@ -26,7 +26,7 @@ from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
 from selfdraft.mtbench import refuse_for_selection
 from selfdraft.target import EMBEDDED
-from selfdraft.training.checkpoint import RUN_FILE
+from selfdraft.training.checkpoint import RUN_FILE, changed_settings
 from selfdraft.tree_syntax import check_tree_file
 
 # embedded name -> the hub id a model card names as its base_model
@@ -401,6 +401,42 @@ def card_target(config_path: str | Path, target: str | None) -> str:
     return target
 
 
+def check_run(run_dir: Path, config_path: str | Path, option: str) -> None:
+    """`run_dir` is a training run folder trained with `config_path` (the settings its run.json keeps,
+    budget aside), or a UserError naming the fix."""
+    from selfdraft.training.config import load_run_config
+
+    meta_path = run_dir / RUN_FILE
+    if not meta_path.is_file() or not (run_dir / "log.jsonl").is_file():
+        raise UserError(
+            f"{option} {run_dir} is not a training run (no {RUN_FILE} or log.jsonl); pass a run's output_dir"
+        )
+    meta = json.loads(meta_path.read_text())
+    if "settings" not in meta:
+        return  # a run from before selfdraft kept its settings: nothing to compare the config with
+    changed = changed_settings(meta["settings"], load_run_config(config_path).settings())
+    if changed:
+        raise UserError(
+            f"{option} {run_dir} was not trained with {config_path} ({'; '.join(changed)}); pass the config "
+            "that run used"
+        )
+
+
+def read_bench(path: str | Path, option: str) -> dict:
+    """A bench.json, or one UserError naming the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{option} {path} does not exist; pass the bench.json `selfdraft bench` wrote") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(
+            f"{option} {path} is not a bench report ({err}); pass the bench.json `selfdraft bench` wrote"
+        ) from None
+    if not isinstance(data, dict) or "summary" not in data:
+        raise UserError(f"{option} {path} is not a bench report (no summary); pass a bench.json")
+    return data
+
+
 def publish(
     run_dir: str | Path,
     dest: str | Path,
@@ -431,8 +467,13 @@ def publish(
     a source such as the run folder.
     """
     run_dir, dest = Path(run_dir), Path(dest)
-    for path, _ in selection_benches:  # a choice made on MT-bench would overstate its reported numbers
-        for spec in json.loads(Path(path).read_text()).get("prompt_sets", {}):
+    check_run(run_dir, config_path, "--run")
+    for earlier_run, earlier_config in earlier:
+        check_run(Path(earlier_run), earlier_config, "--earlier")
+    report = {path: read_bench(path, "--bench") for path, _ in benches}
+    chosen = {path: read_bench(path, "--selection-bench") for path, _ in selection_benches}
+    for path, bench in chosen.items():  # a choice made on MT-bench would overstate its reported numbers
+        for spec in bench.get("prompt_sets", {}):
             refuse_for_selection(spec, f"--selection-bench {path}")
     sources = [run_dir, config_path, *(p for p, _ in benches), *(p for p, _ in selection_benches)]
     sources += [*(r for r, _ in earlier), *(c for _, c in earlier)]
@@ -449,8 +490,8 @@ def publish(
         kind=heads.config.head_kind,
         stages=stages,
         tokens=tokens,
-        benches=[(json.loads(Path(path).read_text()), command) for path, command in benches],
-        selection_benches=[(json.loads(Path(p).read_text()), command) for p, command in selection_benches],
+        benches=[(report[path], command) for path, command in benches],
+        selection_benches=[(chosen[path], command) for path, command in selection_benches],
         repo_path=repo_path or str(dest),
         shipped=dest.resolve() == shipped_heads_path(target, heads.config.head_kind).resolve(),
         layout=heads.config.eagle_layout,
@@ -470,6 +511,12 @@ def upload(folder: str | Path, repo_id: str) -> str:
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(repo_id, exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id)
+    try:
+        api.create_repo(repo_id, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id)
+    except Exception as err:  # noqa: BLE001 - the hub's errors are many; each is the user's to fix
+        raise UserError(
+            f"--push-to {repo_id}: the upload failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+            f"{folder} is written: push it later with `huggingface-cli upload {repo_id} {folder}`"
+        ) from err
     return str(info)

@@ -59,7 +59,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from selfdraft.errors import UserError
 from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.folder import CONFIG_NAME, WEIGHTS_NAME, read_heads_config, read_safetensors
+from selfdraft.heads.folder import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_compatible,
+    read_heads_config,
+    read_safetensors,
+)
 from selfdraft.heads.foreign.embedding import read_input_embedding
 from selfdraft.heads.foreign.modules import layer_config_from_target
 from selfdraft.target import EMBEDDED, embedded_name, resolve_target_path
@@ -369,6 +375,14 @@ def borrowed_embedding(
     return weight.to(dtype)
 
 
+def _target_config(target: str | Path | nn.Module):
+    if isinstance(target, nn.Module):
+        return target.config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_target_path(str(target)))
+
+
 def export_heads(
     src_dir: str | Path,
     dst_dir: str | Path,
@@ -383,7 +397,11 @@ def export_heads(
     loaded model, an embedded name or a folder; None reads the target the heads record. SGLang's eagle
     worker hands the draft the target's embedding itself (`set_embed`), so its export has none."""
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    if speculative_tokens is not None and speculative_tokens < 1:
+        raise ExportError(f"--speculative-tokens {speculative_tokens}: the engine's draft length is at least 1")
     config = read_heads_config(src_dir)
+    if target is not None:  # heads exported for another model would serve it nonsense
+        check_compatible(config, _target_config(target))
     state = read_safetensors(src_dir / WEIGHTS_NAME)
     dtypes = [t.dtype for t in state.values() if t.is_floating_point()]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
