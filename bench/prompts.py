@@ -65,8 +65,10 @@ def _prompt_lines(path: Path) -> list[str]:
     if not path.is_file():
         raise MissingFileError(f"{path} does not exist; pass a JSONL file of prompts")
     data = path.read_bytes()
+    if data.startswith(b"\x1f\x8b"):
+        raise UserError(f"{path} is gzip-compressed, which prompt files are not read as; gunzip it and pass the JSONL")
     try:
-        return data.decode("utf-8").splitlines()
+        return data.decode("utf-8-sig").splitlines()  # a byte-order mark (some editors write one) is dropped
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         raise UserError(

@@ -51,18 +51,12 @@ def resolve_device(name: str) -> str:
     import torch
 
     from selfdraft.errors import UserError
+    from selfdraft.target import check_device
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as err:
-        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from err
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {name}: this machine has no CUDA GPU that torch can use; use cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {name}: there are {torch.cuda.device_count()} GPUs (cuda:0 ...)")
-    elif device.type != "cpu":
-        raise UserError(f"--device {name}: selfdraft runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
+        check_device(name)
+    except UserError as err:
+        raise UserError(f"--{err}; or auto") from None
     return name

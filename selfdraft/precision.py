@@ -36,7 +36,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' (or fp32/bf16/fp16, or a torch.dtype) -> torch.dtype; 'auto'
     -> bfloat16 where it is fast (a CUDA GPU that supports it, or a CPU with native bf16), else float32."""
     if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise UserError(f"dtype {name} is not one selfdraft computes in; use {sorted(set(DTYPES))} or auto")
         return name
+    if not isinstance(name, str):
+        raise UserError(f"dtype {name!r} is neither a name nor a torch dtype; use auto or {sorted(set(DTYPES))}")
     if name.lower() == AUTO:
         fast = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_native_bf16()
         return torch.bfloat16 if fast else torch.float32
@@ -104,6 +108,10 @@ def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, target: torch.nn.
     if isinstance(draft_dtype, str) and draft_dtype.lower() == AUTO:
         native = weight.device.type == "cpu" and cpu_has_native_bf16()
         return torch.bfloat16 if weight.dtype == torch.float32 and native else weight.dtype
+    if isinstance(draft_dtype, str) and draft_dtype.lower() not in DTYPES:
+        raise UserError(
+            f"unknown draft dtype {draft_dtype!r}: use auto, int8 or one of {sorted(set(DTYPES))}"
+        )
     return parse_dtype(draft_dtype)
 
 

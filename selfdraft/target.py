@@ -305,6 +305,22 @@ def _check_architecture(model: PreTrainedModel) -> None:
     check_model_takes_cache(model)
 
 
+def check_device(name: str | torch.device) -> torch.device:
+    """A device selfdraft can run on here (cpu, or a CUDA GPU this machine has), or a UserError."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as err:
+        raise UserError(f"device {name!r} is not a device; use cpu, cuda or cuda:N") from err
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {name}: this machine has no CUDA GPU that torch can use; use cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"device {name}: there are {torch.cuda.device_count()} GPUs (cuda:0 ...)")
+    elif device.type != "cpu":
+        raise UserError(f"device {name}: selfdraft runs on cpu or cuda; use cpu, cuda or cuda:N")
+    return device
+
+
 def load_target(
     name_or_path: str,
     *,
@@ -323,6 +339,7 @@ def load_target(
             f"attn_implementation={attn_implementation!r} is not supported: tree verification needs a custom "
             f"4D attention mask, which only {ATTENTION_BACKENDS} honour"
         )
+    check_device(device)  # before minutes of loading
     path = resolve_target_path(name_or_path)
     if (Path(path) / "adapter_config.json").is_file():
         return _load_peft_target(path, attn_implementation, dtype, device, **hf_kwargs)

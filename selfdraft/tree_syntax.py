@@ -292,6 +292,11 @@ def resolve_tree(
     if isinstance(tree, TreeSpec | DynamicTree | LookupTree):
         return tree
     if not isinstance(tree, str):
+        if not isinstance(tree, Sequence) or not all(isinstance(p, Sequence) for p in tree):
+            raise UserError(
+                f"tree {tree!r}: pass a tree name (e.g. small, chain-4, dynamic), a tree YAML file or a list "
+                "of rank paths such as [[0], [0, 0], [1]]"
+            )
         return TreeSpec.from_paths(tree)
     if LOOKUP_SUFFIX in tree:
         name, _, rest = tree.partition(LOOKUP_SUFFIX)
@@ -307,6 +312,9 @@ def resolve_tree(
         return TreeSpec.chain(int(tree[6:]))
     if is_tree_file(tree):
         return read_tree_file(Path(tree), dtype, sampling, machine)
+    if Path(tree).suffix in (".yaml", ".yml"):
+        what = "is a folder" if Path(tree).is_dir() else "does not exist"
+        raise UserError(f"tree file {tree} {what}; pass a tree YAML file (e.g. HEADS/tree.yaml) or a tree name")
     raise UserError(
         f"unknown tree {tree!r}; use one of {sorted(NAMED_TREES)}, chain-N, dynamic:..., "
         "a YAML file, optionally followed by +lookup[=K]"

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from selfdraft.errors import UserError
 from selfdraft.heads.config import HeadsConfig
 from selfdraft.heads.folder import (
     CorruptCheckpointError,
@@ -46,6 +47,7 @@ from selfdraft.heads.folder import (
     HeadsMismatchError,
     build_heads,
     check_compatible,
+    is_selfdraft_folder,
     load_state_strict,
     save_heads,
 )
@@ -450,6 +452,8 @@ def convert_heads(src: str | Path, dst: str | Path, target: nn.Module | None = N
 
     Floats keep the source's precision when it has one float dtype (else float32): no rounding.
     """
+    if is_selfdraft_folder(Path(src)):
+        raise UserError(f"{src} already holds selfdraft heads: load it as it is (heads={src}); nothing to convert")
     ckpt = read_checkpoint(src)
     dtypes = {t.dtype for t in ckpt.tensors.values() if t.is_floating_point()}
     heads = _build(ckpt, target, torch.float32)

@@ -76,8 +76,12 @@ def load_pickled_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
+    if path.is_file():
+        raise MissingFileError(f"heads checkpoint {path} is a file; pass the folder that holds it")
     if not path.is_dir():
         raise MissingFileError(f"heads checkpoint folder {path} does not exist")
+    if not any(path.iterdir()):
+        raise MissingFileError(f"heads checkpoint folder {path} is empty; pass a folder with heads in it")
     config: dict = {}
     if (path / CONFIG_NAME).is_file():
         try:
@@ -90,17 +94,40 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
             tensors = read_safetensors(file) if name.endswith(".safetensors") else load_pickled_tensors(file)
             tensors = {k: v for k, v in tensors.items() if not _IGNORED.search(k)}
             return Checkpoint(path, config, tensors, name)
-    raise _unknown(path, {}, f"no weights file ({', '.join(WEIGHT_FILES)})")
+    raise _unknown(path, {}, f"no weights file ({', '.join(WEIGHT_FILES)})", config)
 
 
-def _unknown(path: Path, tensors: dict, why: str) -> UnknownLayoutError:
+def _model_type(config: dict, tensors: dict) -> str | None:
+    """The model type when the folder holds a whole language model rather than draft heads: a causal-LM
+    config with several layers, or the tensors of one (embeddings and more than one decoder layer)."""
+    causal = any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or [])
+    if causal and (config.get("num_hidden_layers") or 0) > 1:
+        return str(config.get("model_type", "a causal LM"))
+    layered = any(n.startswith("model.layers.1.") for n in tensors)
+    if layered and any(n.endswith("embed_tokens.weight") for n in tensors):
+        return str(config.get("model_type", "a causal LM"))
+    return None
+
+
+def _unknown(path: Path, tensors: dict, why: str, config: dict | None = None) -> UnknownLayoutError:
+    model = _model_type(config or {}, tensors)
+    if model is not None:
+        return UnknownLayoutError(
+            f"{path} holds a model ({model}), not draft heads; pass it as the target (--target, target=) "
+            "and heads trained for it as the heads"
+        )
     files = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if tensors and CONFIG_NAME not in files:
+        return UnknownLayoutError(
+            f"{path} holds weights but no {CONFIG_NAME}, and its tensor names match no other project's "
+            f"layout; a selfdraft heads folder needs its {CONFIG_NAME}: restore it beside the weights"
+        )
     names = sorted(tensors)
-    shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-    expected = "\n  ".join(LAYOUTS.values())
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+    expected = "; ".join(LAYOUTS.values())
     return UnknownLayoutError(
         f"{path}: not a heads layout selfdraft can read ({why}). Files: {files}; tensors: [{shown}]. "
-        f"Layouts `selfdraft convert` reads:\n  {expected}"
+        f"Layouts `selfdraft convert` reads: {expected}"
     )
 
 
@@ -124,4 +151,4 @@ def detect_layout(ckpt: Checkpoint) -> str:
     fc = ckpt.tensors.get("fc.weight")
     if "layers.0.self_attn.q_proj.weight" in names and fc is not None and fc.shape[1] == 2 * fc.shape[0]:
         return "eagle1"
-    raise _unknown(ckpt.path, ckpt.tensors, "tensor names match none of the layouts")
+    raise _unknown(ckpt.path, ckpt.tensors, "tensor names match none of the layouts", ckpt.config)

@@ -46,3 +46,45 @@ def test_cli_seed_out_of_range_is_one_line(capsys):
     assert cli.main([*argv, "--target", "smollm2-135m-instruct", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "out of range" in err
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"tree": 123}, "list of rank paths"),
+        ({"tree": "missing.yaml"}, "tree file missing.yaml does not exist"),
+        ({"dtype": torch.int8}, "is not one selfdraft computes in"),
+        ({"draft_dtype": torch.int8}, "is not one selfdraft computes in"),
+        ({"draft_dtype": "int4"}, "use auto, int8 or one of"),
+        ({"device": "banana"}, "is not a device"),
+    ],
+    ids=["tree=123", "tree=missing.yaml", "dtype=int8", "draft_dtype=int8", "draft_dtype=int4", "device=banana"],
+)
+def test_api_arguments_that_cannot_work_are_user_errors(tmp_path, kwargs, words):
+    from tiny_models import save_tiny_llama_with_real_tokenizer
+
+    folder = tmp_path / "t"
+    if "device" not in kwargs:
+        save_tiny_llama_with_real_tokenizer(folder)
+    with pytest.raises(UserError, match=words):
+        SelfDraftModel.from_pretrained(str(folder), heads=None, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU, so device='cuda' is valid here")
+def test_cuda_without_a_gpu_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="no CUDA GPU"):
+        SelfDraftModel.from_pretrained(str(tmp_path), heads=None, device="cuda")
+
+
+def test_a_prompts_file_with_a_bom_reads_and_a_gzip_one_says_so(tmp_path):
+    import gzip
+
+    from selfdraft.bench.prompts import read_prompt_rows
+
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n{"prompt": "there"}\n')
+    assert [r["prompt"] for r in read_prompt_rows(bom)] == ["hi", "there"]
+    packed = tmp_path / "p.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"prompt": "hi"}\n'))
+    with pytest.raises(UserError, match="gzip-compressed.*gunzip it"):
+        read_prompt_rows(packed)
