@@ -252,9 +252,11 @@ def _target_text_config(name_or_path: str):
     """The target's (text) config, read without loading its weights."""
     from transformers import AutoConfig
 
-    from selfdraft.target import resolve_target_path
+    from selfdraft.target import check_target_folder, resolve_target_path
 
     path = Path(resolve_target_path(name_or_path))
+    if path.is_dir() and not (path / "adapter_config.json").is_file():
+        check_target_folder(path, name_or_path)  # e.g. a heads folder named as the target
     adapter = path / "adapter_config.json"
     if adapter.is_file():  # a PEFT adapter: the depth and vocabulary are its base model's
         path = Path(resolve_target_path(json.loads(adapter.read_text())["base_model_name_or_path"]))
@@ -333,12 +335,28 @@ def _looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or Path(value).suffix in DATA_SUFFIXES
 
 
+def deepspeed_json_problem(path: Path) -> str | None:
+    """Why `path` is not a DeepSpeed JSON config (a YAML file, a binary, a list...), or None."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return (
+            f"deepspeed: {path} is not a DeepSpeed JSON config ({type(err).__name__}); name one, e.g. "
+            "configs/deepspeed/zero1.json"
+        )
+    if not isinstance(data, dict):
+        return f"deepspeed: {path} holds a JSON {type(data).__name__}, not a DeepSpeed config object"
+    return None
+
+
 def check_paths(config: RunConfig, reads_cache: bool = True) -> None:
     """Every file a run reads, checked before any work: one line per missing path, naming the key.
     reads_cache: the run reads data.feature_cache as it is (a partial cache trains on what is there)."""
     problems = []
     if not Path(config.deepspeed).is_file():
         problems.append(f"deepspeed: {config.deepspeed} is not a file; give the path of a DeepSpeed JSON")
+    elif (problem := deepspeed_json_problem(Path(config.deepspeed))) is not None:
+        problems.append(problem)
     init_from = config.heads.init_from
     if init_from and not Path(init_from).is_dir() and not resumable_heads(Path(config.output_dir)):
         problems.append(f"heads.init_from: {init_from} is not a heads folder")

@@ -40,7 +40,10 @@ def normalize_layers(model, layers: Sequence[int]) -> list[int]:
     count = model.config.num_hidden_layers + 1
     out = sorted({layer % count if -count <= layer < count else layer for layer in layers})
     if not out or out[0] < 0 or out[-1] >= count:
-        raise ValueError(f"layers {list(layers)} must index output_hidden_states (0..{count - 1})")
+        raise UserError(
+            f"heads.feature_layers: {list(layers)} on a target of {count - 1} layers; output_hidden_states "
+            f"indices run from {-count} to {count - 1} (0 the embeddings, -1 the last, post-norm): fix them"
+        )
     return out
 
 

@@ -25,6 +25,7 @@ SPLIT_FINGERPRINT = "splits.json"
 
 def feature_layers(config: RunConfig, target) -> list[int]:
     """Hidden-state layers a run reads: the heads' inputs plus the last one (the target's logits)."""
+    normalize_layers(target, config.heads.feature_layers)  # a bad one is named as the config wrote it
     return normalize_layers(target, [*config.heads.feature_layers, -1])
 
 

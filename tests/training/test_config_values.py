@@ -103,3 +103,44 @@ def test_a_bench_config_with_a_syntax_error_is_one_line(tmp_path, capsys):
     assert cli.main(["bench", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not valid YAML" in err and str(path) in err, err
+
+
+def test_a_yaml_named_as_the_deepspeed_config_is_named_before_any_work(tmp_path):
+    from selfdraft.errors import UserError
+    from selfdraft.training.config import check_paths
+
+    ds = tmp_path / "zero1.yaml"
+    ds.write_text("zero_optimization:\n  stage: 1\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(BASE.replace("output_dir: runs/x", f"output_dir: runs/x\ndeepspeed: {ds}"))
+    with pytest.raises(UserError, match="is not a DeepSpeed JSON config"):
+        check_paths(load_run_config(path))
+
+
+def test_a_heads_folder_named_as_the_target_is_one_error(tmp_path):
+    from selfdraft.errors import UserError
+    from selfdraft.heads import save_heads
+
+    from tiny_models import random_heads, tiny_target
+
+    heads = save_heads(random_heads(tiny_target("llama"), "eagle", 0), tmp_path / "heads")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"target: {heads}\noutput_dir: runs/x\n")  # eagle3: its layers come from the target
+    with pytest.raises(UserError, match="is a folder of draft heads, not a model"):
+        load_run_config(path)
+
+
+def test_feature_layers_beyond_the_target_name_the_key():
+    from selfdraft.errors import UserError
+    from selfdraft.training.feature_cache import normalize_layers
+
+    from tiny_models import tiny_target
+
+    with pytest.raises(UserError, match=r"heads.feature_layers: \[99\] on a target of 2 layers"):
+        normalize_layers(tiny_target("llama"), [99])
+
+
+def test_prepare_batch_size_zero_is_one_line(tmp_path, capsys):
+    assert cli.main(["prepare", "--config", str(tmp_path / "no.yaml"), "--batch-size", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--batch-size 0" in err, err
