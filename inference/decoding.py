@@ -237,7 +237,7 @@ def check_prompts(prompts: Sequence[torch.Tensor], limit: int | None) -> None:
     if not prompts:
         raise UserError("no prompts; pass at least one prompt")
     for i, p in enumerate(prompts):
-        which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"  # 1-based, as files count lines
         if p.dim() != 1 or p.numel() == 0:
             raise UserError(f"{which} has shape {tuple(p.shape)}; each prompt must be a non-empty 1-D id list")
         check_prompt_fits(p.numel(), limit, which)

@@ -170,6 +170,16 @@ def _as_prompt_ids(input_ids, device, vocab_size: int) -> torch.Tensor:
     return ids
 
 
+def _batch_row(given, i: int, batch: bool, device, vocab_size: int) -> torch.Tensor:
+    """One prompt's ids [T]; in a batch a bad one is named by its 1-based row."""
+    try:
+        return _as_prompt_ids(given, device, vocab_size)[0]
+    except UserError as err:
+        if not batch:
+            raise
+        raise UserError(f"prompt {i + 1} of the batch: {err}") from None
+
+
 def prompt_text(prompt: str | bytes) -> str:
     """The prompt as text: bytes are decoded as UTF-8; text that cannot be UTF-8 is refused."""
     if not isinstance(prompt, str | bytes):
@@ -230,7 +240,7 @@ class SelfDraftModel:
         heads: str | Path | HeadsConfig | None = SHIPPED,
         *,
         tree: TreeLike | None = None,
-        head_kind: str = "eagle",
+        head_kind: str | None = None,
         attn_implementation: str = "sdpa",
         dtype: str | torch.dtype = torch.float32,
         draft_dtype: str | torch.dtype | None = AUTO,
@@ -241,6 +251,8 @@ class SelfDraftModel:
         heads: a checkpoint folder; None for fresh, untrained heads of `head_kind` (still lossless,
         just slower); a HeadsConfig to build fresh heads of that shape; omitted -> the checkpoint
         shipped for this target, or fresh heads if none is shipped.
+        head_kind: "eagle" or "medusa": fresh heads' kind (default eagle) or the shipped ones'; with a
+        heads folder, one of another kind is refused (the folder says its own kind).
         dtype: the target's; greedy output is token-identical to the target's own `generate` in float32;
         in bfloat16 it can part at near-ties of the target's own logits (`selfdraft.bench.divergence`).
         draft_dtype: the heads' dtype; None = the target's; "auto" (default) = bfloat16 for a float32
@@ -274,7 +286,7 @@ class SelfDraftModel:
         *,
         target_name: str = "",
         tree: TreeLike | None = None,
-        head_kind: str = "eagle",
+        head_kind: str | None = None,
         draft_dtype: str | torch.dtype | None = AUTO,
     ) -> SelfDraftModel:
         """Attach heads (same meaning of `heads` and `draft_dtype` as in `from_pretrained`) to an
@@ -282,16 +294,21 @@ class SelfDraftModel:
         int8 = draft_weights_int8(draft_dtype, target)
         dtype = resolve_draft_dtype(AUTO if int8 else draft_dtype, target)
         if heads == SHIPPED:
-            heads = shipped_heads_dir(target_name)
+            heads = shipped_heads_dir(target_name, head_kind)
             if heads is None:
                 logger.warning("no heads are shipped for %s: using fresh, untrained heads", target_name)
         if heads is None:
-            heads = HeadsConfig.for_target(target.config, head_kind=head_kind)
+            heads = HeadsConfig.for_target(target.config, head_kind=head_kind or "eagle")
         if isinstance(heads, HeadsConfig):
             module = build_heads(heads).to(dtype).attach(target)
             module.init_projection_from_target()
         else:
             module = load_heads(heads, target, dtype=dtype)
+            if head_kind is not None and module.config.head_kind != head_kind:
+                raise UserError(
+                    f"head_kind {head_kind!r} (--head-kind), but {heads} holds {module.config.head_kind} heads; "
+                    "drop it (a heads folder says its own kind) or pass heads of that kind"
+                )
             if tree is None and (Path(heads) / TREE_FILE).is_file():
                 tree = str(Path(heads) / TREE_FILE)  # the shape tuned for these heads
         if int8:  # "auto" falls back to float weights where int8 cannot apply; "int8" says why not
@@ -351,7 +368,8 @@ class SelfDraftModel:
         if batch and streamer is not None:
             raise UserError("streamer= works with one prompt only; generate a batch without it")
         # a single prompt is a batch of one
-        prompts = [_as_prompt_ids(p, self.target.device, vocab)[0] for p in (input_ids if batch else [input_ids])]
+        given = input_ids if batch else [input_ids]
+        prompts = [_batch_row(p, i, batch, self.target.device, vocab) for i, p in enumerate(given)]
         outs = speculative_generate(
             self.target,
             self.heads,

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 
 from transformers import TextStreamer
 
@@ -19,7 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct", help="embedded name, folder or hub id")
     parser.add_argument("--heads", default=SHIPPED, help="heads folder, 'none' for fresh heads, or 'shipped'")
     parser.add_argument(
-        "--head-kind", default="eagle", choices=["eagle", "medusa"], help="kind of fresh heads"
+        "--head-kind",
+        default=None,
+        choices=["eagle", "medusa"],
+        help="kind of fresh heads (--heads none), or of the shipped ones; a heads folder says its own",
     )
     parser.add_argument(
         "--tree", default=None, help="tree name, chain-N, dynamic:..., or YAML file (default: the heads' tree.yaml)"
@@ -55,6 +59,14 @@ def read_prompts_file(path: str) -> list[dict]:
     ]
     if not rows:
         raise UserError(f"{path} holds no prompts; write one JSON object per line")
+    counts = Counter(str(r["id"]) for r in rows)
+    repeated = [i for i, n in counts.items() if n > 1]
+    if repeated:  # legitimate (several samples of one prompt), but their answers share an id in --out
+        shown = ", ".join(repeated[:5]) + (f" and {len(repeated) - 5} more" if len(repeated) > 5 else "")
+        print(
+            f"selfdraft generate: warning: {path} repeats the ids {shown}; their answers share those ids",
+            file=sys.stderr,
+        )
     return rows
 
 

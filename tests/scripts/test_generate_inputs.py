@@ -88,3 +88,28 @@ def test_a_prompts_file_with_a_bom_reads_and_a_gzip_one_says_so(tmp_path):
     packed.write_bytes(gzip.compress(b'{"prompt": "hi"}\n'))
     with pytest.raises(UserError, match="gzip-compressed.*gunzip it"):
         read_prompt_rows(packed)
+
+
+def test_a_heads_folder_of_another_kind_than_head_kind_is_refused(tmp_path):
+    from selfdraft.heads import save_heads
+
+    target = tiny_target("llama")
+    folder = save_heads(random_heads(target, "medusa", 0), tmp_path / "medusa")
+    with pytest.raises(UserError, match="holds medusa heads"):
+        SelfDraftModel.with_heads(target, None, str(folder), head_kind="eagle")
+    assert SelfDraftModel.with_heads(target, None, str(folder)).heads.config.head_kind == "medusa"
+
+
+def test_repeated_prompt_ids_warn_once(tmp_path, capsys):
+    from selfdraft.scripts.generate import read_prompts_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n{"prompt": "z"}\n')
+    assert [r["prompt"] for r in read_prompts_file(str(path))] == ["x", "y", "z"]
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "repeats the ids a;" in err
+
+
+def test_a_bad_prompt_in_a_batch_is_named_from_one(model):
+    with pytest.raises(UserError, match="prompt 2 of the batch: input_ids is empty"):
+        model.generate([PROMPT[0], torch.tensor([], dtype=torch.long)], 4)
