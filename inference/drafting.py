@@ -363,6 +363,29 @@ class PerRow:
         self.drafters = [self.drafters[b] for b in keep]
 
 
+class NoDrafter:
+    """Drafts nothing, for plain decoding (the tree is the root alone): no head runs, so a model
+    without trained heads decodes at the target's own speed."""
+
+    def observe(self, row: int, next_tokens, hidden_states, positions) -> None:
+        pass
+
+    def begin(self, requests: dict[int, Begin]) -> None:
+        pass
+
+    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        raise UserError("plain decoding drafts no children; pass heads to draft a tree")
+
+    def feed(self, requests: dict[int, Feed]) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def retire(self, keep: list[int]) -> None:
+        pass
+
+
 PROTOCOL = ("observe", "begin", "children", "feed", "end")
 
 
@@ -376,7 +399,10 @@ def make_drafter(heads, rows: int):
 
     heads: EAGLE heads (`EagleRows`: one head pass per tree depth for every row), Medusa heads (one
     `MedusaDrafter` per row: their drafting has no head pass to share), a list of one drafter object
-    per prompt (tests), or one drafter object, which holds state and so serves one row only."""
+    per prompt (tests), or one drafter object, which holds state and so serves one row only; None
+    drafts nothing (plain decoding, `NoDrafter`)."""
+    if heads is None:
+        return NoDrafter()
     if isinstance(heads, list | tuple):
         if len(heads) != rows:
             raise UserError(f"{len(heads)} drafters for {rows} prompts; pass one drafter per prompt")

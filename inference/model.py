@@ -23,7 +23,7 @@ from selfdraft.precision import (
     resolve_draft_dtype,
 )
 from selfdraft.target import load_target
-from selfdraft.tree import TreeShape
+from selfdraft.tree import TreeShape, TreeSpec
 from selfdraft.tree_syntax import TreeLike, is_tree_file, read_batch_trees, resolve_tree, tree_for_batch
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 SHIPPED = "shipped"
 TREE_FILE = "tree.yaml"  # optional, next to a heads checkpoint: the tree shape chosen for it
 DEFAULT_TREE = "small"  # heads= default: the checkpoint shipped for an embedded target, if any
+PLAIN = TreeSpec.chain(0)  # the root alone: plain decoding, one token a target pass
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 # generation_config settings that make `target.generate` emit other tokens and that selfdraft does not
@@ -198,16 +199,27 @@ class SelfDraftModel:
     """Holds a target, its tokenizer and heads; `generate` decodes speculatively and losslessly."""
 
     def __init__(
-        self, target, tokenizer, heads, tree: TreeLike | None = None, sampling_tree: TreeLike | None = None
+        self,
+        target,
+        tokenizer,
+        heads,
+        tree: TreeLike | None = None,
+        sampling_tree: TreeLike | None = None,
+        trained: bool = True,
     ) -> None:
         """tree: None = the default shape, cut to what the heads can draft (Medusa: one head per depth).
-        sampling_tree: the shape for temperature > 0 (None: a tree file's `sampling:` tree, else `tree`)."""
+        sampling_tree: the shape for temperature > 0 (None: a tree file's `sampling:` tree, else `tree`).
+        trained: False for fresh heads, which draft almost nothing that is accepted: with no tree asked
+        for, `generate` then decodes plainly (`self.plain`), at the target's own speed, unless a call
+        names a tree."""
         check_compatible(heads.config, target.config)
         self.target = target
         self.tokenizer = tokenizer
         self.heads = heads.attach(target).to(target.device).eval()
         self.machine = machine_kind(target.device)  # picks a tree file's entry for this kind of machine
-        self.tree = self._fitting_tree(tree)
+        # untrained heads with no tree asked for: drafting their junk would only cost passes
+        self.plain = not trained and tree is None and sampling_tree is None
+        self.tree = PLAIN if self.plain else self._fitting_tree(tree)
         given = tree if sampling_tree is None else sampling_tree
         self.sampling_tree = self._fitting_tree(given, sampling=True) if given is not None else self.tree
         # greedy trees per batch size, from a tree file's `batch:` block (`selfdraft tune --batch B`)
@@ -248,9 +260,11 @@ class SelfDraftModel:
     ) -> SelfDraftModel:
         """Load `target` (embedded name, folder or hub id) and attach heads.
 
-        heads: a checkpoint folder; None for fresh, untrained heads of `head_kind` (still lossless,
-        just slower); a HeadsConfig to build fresh heads of that shape; omitted -> the checkpoint
-        shipped for this target, or fresh heads if none is shipped.
+        heads: a checkpoint folder; None for fresh, untrained heads of `head_kind`; a HeadsConfig to
+        build fresh heads of that shape; omitted -> the checkpoint shipped for this target, or fresh
+        heads if none is shipped. Fresh heads draft almost nothing that is accepted, so without a `tree`
+        such a model decodes plainly (`plain` is True; it says so once), as fast as `target.generate`;
+        with a `tree` (here or per call) they draft it, still losslessly.
         head_kind: "eagle" or "medusa": fresh heads' kind (default eagle) or the shipped ones'; with a
         heads folder, one of another kind is refused (the folder says its own kind).
         dtype: the target's; greedy output is token-identical to the target's own `generate` in float32;
@@ -295,8 +309,13 @@ class SelfDraftModel:
         dtype = resolve_draft_dtype(AUTO if int8 else draft_dtype, target)
         if heads == SHIPPED:
             heads = shipped_heads_dir(target_name, head_kind)
-            if heads is None:
-                logger.warning("no heads are shipped for %s: using fresh, untrained heads", target_name)
+        trained = heads is not None and not isinstance(heads, HeadsConfig)
+        if not trained and tree is None:
+            logger.warning(
+                "no trained heads for %s: generate decodes plainly (lossless, at the target's own speed); "
+                "train heads for it (`selfdraft train`) to draft",
+                target_name or "this target",
+            )
         if heads is None:
             heads = HeadsConfig.for_target(target.config, head_kind=head_kind or "eagle")
         if isinstance(heads, HeadsConfig):
@@ -313,7 +332,7 @@ class SelfDraftModel:
                 tree = str(Path(heads) / TREE_FILE)  # the shape tuned for these heads
         if int8:  # "auto" falls back to float weights where int8 cannot apply; "int8" says why not
             module = int8_weights(module, dtype, strict=str(draft_dtype).lower() != AUTO)
-        return cls(target, tokenizer, module, tree=tree)
+        return cls(target, tokenizer, module, tree=tree, trained=trained)
 
     def default_stop_ids(self) -> list[int]:
         """The target's own stop ids (its generation_config's eos_token_id), as `target.generate` uses."""
@@ -354,6 +373,7 @@ class SelfDraftModel:
         """
         batch = is_batch(input_ids)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        drafter = None if self.plain and tree is None else self.heads  # None: no head runs
         if tree is not None:
             spec = self._fitting_tree(tree, sampling=temperature > 0)
         elif temperature > 0:
@@ -372,7 +392,7 @@ class SelfDraftModel:
         prompts = [_batch_row(p, i, batch, self.target.device, vocab) for i, p in enumerate(given)]
         outs = speculative_generate(
             self.target,
-            self.heads,
+            drafter,
             prompts,
             spec=spec,
             max_new_tokens=max_new_tokens,

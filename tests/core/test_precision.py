@@ -198,7 +198,7 @@ def test_bf16_heads_on_fp32_target_stay_exact(kind):
 def test_draft_dtype_reaches_loaded_heads(tmp_path):
     """with_heads(draft_dtype=...) casts fresh heads, and borrowed fp32 projections still work."""
     target = tiny_target("llama")
-    model = SelfDraftModel.with_heads(target, None, None, head_kind="medusa", draft_dtype="bfloat16")
+    model = SelfDraftModel.with_heads(target, None, None, head_kind="medusa", draft_dtype="bfloat16", tree="small")
     assert heads_dtype(model.heads) is torch.bfloat16
     prompt = torch.tensor([[1, 2, 3, 4]])
     assert model.generate(prompt, 10, stop_token_ids=[]).tokens == greedy_reference(target, prompt, 10)

@@ -1,0 +1,64 @@
+"""Untrained heads never slow a user down: with no trained heads and no tree asked for, generate decodes
+plainly (no head runs), says so once, and reports it; a tree asked for still drafts with them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from selfdraft.inference import SelfDraftModel
+
+from tiny_models import greedy_reference, tiny_target
+
+PROMPT = torch.tensor([[4, 8, 15, 16, 23, 42]])
+
+
+@pytest.fixture
+def target():
+    return tiny_target("llama")
+
+
+def _forbid_heads(model, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a head ran during plain decoding")
+
+    for module in model.heads.modules():
+        monkeypatch.setattr(module, "forward", refuse)
+
+
+def test_no_trained_heads_decode_plainly_and_say_so_once(target, monkeypatch, caplog):
+    with caplog.at_level(logging.WARNING, logger="selfdraft.inference.model"):
+        model = SelfDraftModel.with_heads(target, None, None)
+    assert model.plain and model.tree.size == 1
+    assert sum("no trained heads" in r.message for r in caplog.records) == 1
+    _forbid_heads(model, monkeypatch)
+    out = model.generate(PROMPT, 20, stop_token_ids=[])
+    assert out.tokens == greedy_reference(target, PROMPT, 20)
+    assert out.stats.mean_accepted == 1.0 and out.stats.target_forwards == 20  # prefill + 19 passes
+    assert out.stats.tree_tokens == out.stats.tree_passes  # the root alone each pass
+    rows = model.generate([PROMPT[0], PROMPT[0, :3]], 8, stop_token_ids=[])
+    assert rows[1].tokens == greedy_reference(target, PROMPT[:, :3], 8)
+    sampled = model.generate(PROMPT, 8, temperature=1.0, seed=3, stop_token_ids=[])
+    assert sampled.tokens == model.generate(PROMPT, 8, temperature=1.0, seed=3, stop_token_ids=[]).tokens
+
+
+def test_a_tree_asked_for_drafts_with_the_fresh_heads(target):
+    model = SelfDraftModel.with_heads(target, None, None, tree="chain-3")
+    assert not model.plain
+    out = model.generate(PROMPT, 12, stop_token_ids=[])
+    assert out.tokens == greedy_reference(target, PROMPT, 12)
+    assert out.stats.tree_tokens == 4 * out.stats.tree_passes  # root + 3 drafted every pass
+    plain = SelfDraftModel.with_heads(target, None, None)
+    per_call = plain.generate(PROMPT, 12, stop_token_ids=[], tree="chain-2")
+    assert per_call.tokens == out.tokens and per_call.stats.tree_tokens == 3 * per_call.stats.tree_passes
+
+
+def test_trained_heads_are_not_plain(tmp_path, target):
+    from selfdraft.heads import save_heads
+
+    from tiny_models import random_heads
+
+    folder = save_heads(random_heads(target, "eagle", 0), tmp_path / "heads")
+    assert not SelfDraftModel.with_heads(target, None, str(folder)).plain
