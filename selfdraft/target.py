@@ -321,6 +321,45 @@ def check_device(name: str | torch.device) -> torch.device:
     return device
 
 
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    return urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's host answers on port 443 within `timeout` seconds (no retries)."""
+    import socket
+
+    try:
+        socket.create_connection((_hub_host(), 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def hub_kwargs(name_or_path: str) -> dict:
+    """Extra from_pretrained kwargs for a hub id: none when the Hub answers; `local_files_only` when it
+    does not but the id is in the local hub cache; else a UserError in one line at once (the hub
+    client would retry for ~30 s, printing a line per retry). Local folders and embedded names: none."""
+    if Path(name_or_path).exists() or name_or_path.lower() in EMBEDDED or name_or_path.count("/") != 1:
+        return {}
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
+    if constants.HF_HUB_OFFLINE or not hub_reachable():
+        if cached:
+            return {"local_files_only": True}
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{_hub_host()} cannot be reached"
+        raise UserError(
+            f"target {name_or_path!r} is a hub id, {why} and it is not in the local hub cache; pass an "
+            f"embedded name ({', '.join(sorted(EMBEDDED))}) or a local model folder, or connect"
+        )
+    return {}
+
+
 def load_target(
     name_or_path: str,
     *,
@@ -340,6 +379,7 @@ def load_target(
             f"4D attention mask, which only {ATTENTION_BACKENDS} honour"
         )
     check_device(device)  # before minutes of loading
+    hf_kwargs = {**hub_kwargs(name_or_path), **hf_kwargs}
     path = resolve_target_path(name_or_path)
     if (Path(path) / "adapter_config.json").is_file():
         return _load_peft_target(path, attn_implementation, dtype, device, **hf_kwargs)

@@ -252,7 +252,7 @@ def _target_text_config(name_or_path: str):
     """The target's (text) config, read without loading its weights."""
     from transformers import AutoConfig
 
-    from selfdraft.target import check_target_folder, resolve_target_path
+    from selfdraft.target import check_target_folder, hub_kwargs, resolve_target_path
 
     path = Path(resolve_target_path(name_or_path))
     if path.is_dir() and not (path / "adapter_config.json").is_file():
@@ -261,7 +261,7 @@ def _target_text_config(name_or_path: str):
     if adapter.is_file():  # a PEFT adapter: the depth and vocabulary are its base model's
         path = Path(resolve_target_path(json.loads(adapter.read_text())["base_model_name_or_path"]))
     try:
-        config = AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path), **hub_kwargs(name_or_path))
     except OSError as err:
         raise ConfigError(
             f"heads.layout: eagle3 (the default for EAGLE heads) needs the target's depth for its default "
