@@ -87,6 +87,7 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from selfdraft.destinations import check_destination
     from selfdraft.scripts.prepare import prepare_from_config
     from selfdraft.training.checkpoint import RUN_FILE
     from selfdraft.training.config import check_paths, load_run_config
@@ -100,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, overrides)
     check_paths(config)  # every file the run reads, before any work
     output_dir = Path(config.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"output_dir {output_dir} is a file; name a folder for the run")
+    # a file there, or a folder that cannot be written, is named before the data is prepared
+    check_destination(output_dir, overwrite=True, option="output_dir")
     if args.resume and not (output_dir / RUN_FILE).is_file():
         raise UserError(
             f"--resume: {output_dir} holds no run to continue (no {RUN_FILE}); drop --resume to start it, "

@@ -466,6 +466,12 @@ def read_only_folder(tmp_path):
         subprocess.run(["chattr", "-i", str(folder)], check=True)
 
 
+def _run_config(root: Path, output_dir: Path) -> Path:
+    path = root / "train.yaml"
+    path.write_text(f"target: smollm2-135m-instruct\noutput_dir: {output_dir}\nheads:\n  layout: selfdraft\n")
+    return path
+
+
 def test_read_only_destinations_are_named_before_any_work(tmp_path, read_only_folder, capsys):
     run, config = _fake_run(tmp_path)
     prompts = _prompts(tmp_path)
@@ -475,6 +481,9 @@ def test_read_only_destinations_are_named_before_any_work(tmp_path, read_only_fo
         ["generate", "--prompts-file", str(prompts), "--out", str(read_only_folder / "a.jsonl")],
         ["distill", "--source", str(prompts), "--out", str(read_only_folder / "new" / "d.jsonl")],
         ["bench", "--prompts", str(prompts), "--output-dir", str(read_only_folder / "bench")],
+        ["train", "--config", str(_run_config(tmp_path, read_only_folder / "run"))],
+        ["tune", "--heads", str(run / "heads"), "--out", str(read_only_folder / "tree.yaml")],
+        ["compare", str(config), "--out", str(read_only_folder / "cmp")],
     ):
         code = cli.main(argv)
         err = capsys.readouterr().err.strip()
