@@ -276,6 +276,8 @@ class TreeSpec:
         return [i for i, d in enumerate(self.depths) if d == depth]
 
     def describe(self) -> str:
+        if self.size == 1:
+            return "plain decoding (nothing drafted)"
         if self.parents == TreeSpec.chain(self.max_depth).parents:
             return f"chain of {self.max_depth}"
         return f"static tree of {self.size - 1} nodes, depth {self.max_depth}"

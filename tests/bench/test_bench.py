@@ -49,9 +49,13 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
     greedy = [r for r in report["summary"] if r["temperature"] == 0.0]
     assert {r["method"] for r in greedy} == set(first[:4])
     assert all(r["identical_to_baseline"] for r in greedy)  # lossless methods match the baseline
-    spec = [r for r in report["summary"] if r["method"].startswith("selfdraft")]
+    spec = [r for r in report["summary"] if r["method"] == "selfdraft:none:chain-2@int8"]
     assert all(r["tau"] >= 1.0 and r["per_depth_acceptance"] for r in spec)
     assert all(r["draft_ms_per_step"] >= 0 and r["verify_ms_per_step"] > 0 for r in spec)
+    # no trained heads and no tree: plain decoding, one token a pass, nothing drafted
+    plain = [r for r in report["summary"] if r["method"] == "selfdraft:none"]
+    assert plain and all(r["tau"] == 1.0 and not r["per_depth_acceptance"] for r in plain)
+    assert report["trees"]["selfdraft:none"] == "plain decoding (nothing drafted)"
     assert set(report["verify_cost_seconds"]) == {"1", "2", "4"}
     assert report["trees"]["selfdraft:none:chain-2@int8"] == "chain of 2"
     assert set(report["trees"]) == {"selfdraft:none", "selfdraft:none:chain-2@int8"}
@@ -67,7 +71,7 @@ def test_bench_end_to_end(tmp_path, tiny_target_dir):
     rows = [line for line in main.splitlines() if line.startswith("| ")]
     assert len(rows) == len(report["summary"]) + 1 and "bonus" in table  # header + one row each
     phase_rows = [line for line in phase_table.splitlines() if line.startswith("| ")]
-    assert len(phase_rows) == len(spec) + 1 and all(line.endswith("x |") for line in phase_rows[1:])
+    assert len(phase_rows) == len(spec) + len(plain) + 1 and all(line.endswith("x |") for line in phase_rows[1:])
     for name in ("verify_cost.png", "acceptance_by_depth.png", "speedup_by_tree_size.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
