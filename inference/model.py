@@ -373,7 +373,6 @@ class SelfDraftModel:
         """
         batch = is_batch(input_ids)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        drafter = None if self.plain and tree is None else self.heads  # None: no head runs
         if tree is not None:
             spec = self._fitting_tree(tree, sampling=temperature > 0)
         elif temperature > 0:
@@ -392,7 +391,7 @@ class SelfDraftModel:
         prompts = [_batch_row(p, i, batch, self.target.device, vocab) for i, p in enumerate(given)]
         outs = speculative_generate(
             self.target,
-            drafter,
+            None if spec.draft_depth == 0 else self.heads,  # a tree the heads add nothing to: none runs
             prompts,
             spec=spec,
             max_new_tokens=max_new_tokens,

@@ -62,3 +62,13 @@ def test_trained_heads_are_not_plain(tmp_path, target):
 
     folder = save_heads(random_heads(target, "eagle", 0), tmp_path / "heads")
     assert not SelfDraftModel.with_heads(target, None, str(folder)).plain
+
+
+def test_a_tree_without_drafted_nodes_never_runs_the_heads(target, monkeypatch):
+    """chain-0 (+ a prompt-lookup branch) drafts nothing from the heads: no head runs, trained or not."""
+    model = SelfDraftModel.with_heads(target, None, None, tree="chain-2")
+    _forbid_heads(model, monkeypatch)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # repeats, so the lookup branch finds text
+    for tree in ("chain-0", "chain-0+lookup=4"):
+        out = model.generate(prompt, 16, stop_token_ids=[], tree=tree)
+        assert out.tokens == greedy_reference(target, prompt, 16)
