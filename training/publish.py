@@ -432,8 +432,8 @@ def read_bench(path: str | Path, option: str) -> dict:
         raise UserError(
             f"{option} {path} is not a bench report ({err}); pass the bench.json `selfdraft bench` wrote"
         ) from None
-    if not isinstance(data, dict) or "summary" not in data:
-        raise UserError(f"{option} {path} is not a bench report (no summary); pass a bench.json")
+    if not isinstance(data, dict) or not {"summary", "prompt_sets"} & set(data):
+        raise UserError(f"{option} {path} is not a bench report (no summary or prompt sets); pass a bench.json")
     return data
 
 
@@ -467,14 +467,14 @@ def publish(
     a source such as the run folder.
     """
     run_dir, dest = Path(run_dir), Path(dest)
-    check_run(run_dir, config_path, "--run")
-    for earlier_run, earlier_config in earlier:
-        check_run(Path(earlier_run), earlier_config, "--earlier")
     report = {path: read_bench(path, "--bench") for path, _ in benches}
     chosen = {path: read_bench(path, "--selection-bench") for path, _ in selection_benches}
     for path, bench in chosen.items():  # a choice made on MT-bench would overstate its reported numbers
         for spec in bench.get("prompt_sets", {}):
             refuse_for_selection(spec, f"--selection-bench {path}")
+    check_run(run_dir, config_path, "--run")
+    for earlier_run, earlier_config in earlier:
+        check_run(Path(earlier_run), earlier_config, "--earlier")
     sources = [run_dir, config_path, *(p for p, _ in benches), *(p for p, _ in selection_benches)]
     sources += [*(r for r, _ in earlier), *(c for _, c in earlier)]
     sources += [tree_file] if tree_file else []

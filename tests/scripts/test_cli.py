@@ -85,7 +85,7 @@ def test_prepare_passes_num_proc_to_the_renderer(tmp_path, text_run):
     config = text_run()
     cmd = [sys.executable, "-m", "selfdraft.scripts.cli", "prepare", "--config", str(config)]
     bad = subprocess.run(cmd + ["--num-proc", "0"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "num_proc must be at least 1" in bad.stderr
+    assert bad.returncode == 2 and "--num-proc 0: pass a count of at least 1" in bad.stderr
     assert "Traceback" not in bad.stderr
     ok = subprocess.run(cmd + ["--num-proc", "2"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -377,9 +377,12 @@ def test_load_source_specs(monkeypatch):
         sources, "load_python_source", lambda limit_files=None: seen.append(("py", limit_files)) or []
     )
     monkeypatch.setattr(sources, "load_user_dataset", lambda spec: seen.append(("user", spec)) or [])
-    for spec in ("sharegpt", "sharegpt:10", "python-stdlib:3", "org/name", "sharegpt:x"):
+    for spec in ("sharegpt", "sharegpt:10", "python-stdlib:3", "org/name"):
         sources.load_source(spec)
-    assert seen == [("sg", None), ("sg", 10), ("py", 3), ("user", "org/name"), ("user", "sharegpt:x")]
+    assert seen == [("sg", None), ("sg", 10), ("py", 3), ("user", "org/name")]
+    for spec in ("sharegpt:x", "sharegpt:0", "python-stdlib:-1"):  # a built-in's count that is none
+        with pytest.raises(UserError, match="takes a count of records"):
+            sources.load_source(spec)
 
 
 # ------------------------------------------------------------------------------------- self-distillation
