@@ -494,6 +494,8 @@ class LookupTree:
         return LookupTree(self.base.limited(depth), self.lookup)
 
     def describe(self) -> str:
+        if self.base.max_tokens == 1:
+            return f"prompt lookup alone (no heads): a branch of up to {self.lookup.tokens} looked-up tokens"
         text = f"{self.base.describe()} + prompt-lookup branch of up to {self.lookup.tokens} tokens"
         if self.lookup.extend:
             text += f", and up to {self.lookup.extend} looked-up tokens after the heads' first-choice path"

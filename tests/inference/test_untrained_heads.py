@@ -1,5 +1,6 @@
 """Untrained heads never slow a user down: with no trained heads and no tree asked for, generate decodes
-plainly (no head runs), says so once, and reports it; a tree asked for still drafts with them."""
+with no head (a prompt-lookup branch only), says so once, and reports it; a tree asked for still drafts
+with them."""
 
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ def _forbid_heads(model, monkeypatch):
 def test_no_trained_heads_decode_plainly_and_say_so_once(target, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="selfdraft.inference.model"):
         model = SelfDraftModel.with_heads(target, None, None)
-    assert model.plain and model.tree.size == 1
+    assert model.plain and model.tree.draft_depth == 0  # the root and a prompt-lookup branch
+    assert model.tree.describe().startswith("prompt lookup alone (no heads)")
     assert sum("no trained heads" in r.message for r in caplog.records) == 1
     _forbid_heads(model, monkeypatch)
     out = model.generate(PROMPT, 20, stop_token_ids=[])
     assert out.tokens == greedy_reference(target, PROMPT, 20)
-    assert out.stats.mean_accepted == 1.0 and out.stats.target_forwards == 20  # prefill + 19 passes
-    assert out.stats.tree_tokens == out.stats.tree_passes  # the root alone each pass
+    assert out.stats.mean_accepted >= 1.0 and out.stats.target_forwards == 1 + out.stats.tree_passes
     rows = model.generate([PROMPT[0], PROMPT[0, :3]], 8, stop_token_ids=[])
     assert rows[1].tokens == greedy_reference(target, PROMPT[:, :3], 8)
     sampled = model.generate(PROMPT, 8, temperature=1.0, seed=3, stop_token_ids=[])
