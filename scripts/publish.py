@@ -7,6 +7,8 @@ import argparse
 
 import torch
 
+from selfdraft.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -63,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.training.feature_cache import HiddenStateCache
     from selfdraft.training.publish import publish, upload
 
+    if args.tokens is not None and args.tokens < 1:
+        raise UserError(f"--tokens {args.tokens}: pass the number of training tokens (>= 1), or leave it out")
     config = load_run_config(args.config)
     tokens = args.tokens
     if tokens is None and config.data.feature_cache:

@@ -67,6 +67,10 @@ CASES = {
         _publish(*_run(t), t / "out", "--tree", str(_binary(t / "tree.yaml"))),
         ["cannot read the tree file"],
     ),
+    "publish --tokens -5": lambda t: (
+        _publish(*_run(t), t / "out", "--tokens", "-5"),
+        ["--tokens -5", ">= 1"],
+    ),
     "export --speculative-tokens 0": lambda t: (
         ["export", "--to", "vllm", str(_run(t)[0] / "heads"), str(t / "out"), "--speculative-tokens", "0"],
         ["--speculative-tokens 0", "at least 1"],
