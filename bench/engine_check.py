@@ -61,7 +61,7 @@ def run_check(
     # export_heads refuses heads of another layout (ExportError, one line) before vLLM starts
     draft_dir = export_heads(heads, Path(out_dir) / "vllm-export", "vllm", target=target)
     model, tokenizer = load_target(target, dtype=parse_dtype(dtype))
-    base = SelfDraftModel.with_heads(model, tokenizer, None)
+    base = SelfDraftModel.with_heads(model, tokenizer, None, tree="chain-0")  # prompt and stop ids only
     stop = base.default_stop_ids()
     ids = [base.prompt_ids(p.text, p.chat) for p in load_prompt_set(prompts)]
     target_dir = resolve_target_path(target)

@@ -98,7 +98,8 @@ class Runner:
             require_vllm("--methods " + " ".join(engine_methods))
         # One target serves every method, so they all run the very same weights in the same memory.
         self.target, self.tokenizer = load_target(config.target, dtype=parse_dtype(config.dtype))
-        self.base = SelfDraftModel.with_heads(self.target, self.tokenizer, None)  # stop ids, chat template
+        # only its stop ids and chat template are used: a tree of the root alone, so no heads are asked for
+        self.base = SelfDraftModel.with_heads(self.target, self.tokenizer, None, tree="chain-0")
         self.methods = [parse_method(m) for m in config.methods]
         if not self.methods or self.methods[0].kind != "baseline":
             self.methods.insert(0, Method("baseline", "baseline"))
