@@ -93,3 +93,9 @@ def text_run(tmp_path, tiny_target_dir):
         return path
 
     return write
+
+
+@pytest.fixture
+def vllm_in_process(monkeypatch):
+    """vLLM's engine core in the test's own process (no spawned worker), as `make check-vllm` runs it."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -12,15 +12,10 @@ import os
 import pytest
 import torch
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.usefixtures("vllm_in_process")]
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make check-vllm` builds .venv-vllm with it")
 
 TARGET = "smollm2-135m-instruct"
-
-
-@pytest.fixture(autouse=True)
-def _engine_env(monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def _fresh_heads(path):
