@@ -17,8 +17,7 @@ import torch
 from transformers import TextStreamer
 
 from selfdraft.bench.divergence import first_divergence, float32_reference
-from selfdraft.errors import UserError
-from selfdraft.scripts.options import add_precision_arguments
+from selfdraft.scripts.options import add_precision_arguments, check_counts
 
 PROMPTS = [
     "What are three good habits for staying healthy?",
@@ -44,9 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from selfdraft.inference.model import SHIPPED
     from selfdraft.precision import machine_kind
 
-    for flag, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: pass a count of at least 1")
+    check_counts({"--repeats": args.repeats, "--max-new-tokens": args.max_new_tokens})
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     kwargs = {"tree": args.tree} if args.tree else {}
     model = SelfDraftModel.from_pretrained(

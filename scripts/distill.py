@@ -11,7 +11,7 @@ import argparse
 import math
 
 from selfdraft.errors import UserError
-from selfdraft.scripts.options import add_device_argument, resolve_device
+from selfdraft.scripts.options import add_device_argument, check_counts, resolve_device
 
 BATCH, VLLM_BATCH = 8, 256
 # the options of --synthesize, with their defaults: given without it, they would do nothing
@@ -201,16 +201,15 @@ def _load_generator(args: argparse.Namespace, device: str):
 
 def _check_numbers(args: argparse.Namespace) -> None:
     """Every count and temperature, before any work (one line naming the flag and the fix)."""
-    counts = {
-        "--max-new-tokens": args.max_new_tokens,
-        "--batch-size": args.batch_size,
-        "--max-prompt-tokens": args.max_prompt_tokens,
-        "--synth-chunk": args.synth_chunk,
-        "--synth-max-tokens": args.synth_max_tokens,
-    }
-    for flag, value in counts.items():
-        if value is not None and value < 1:
-            raise UserError(f"{flag} {value}: pass a count of at least 1")
+    check_counts(
+        {
+            "--max-new-tokens": args.max_new_tokens,
+            "--batch-size": args.batch_size,
+            "--max-prompt-tokens": args.max_prompt_tokens,
+            "--synth-chunk": args.synth_chunk,
+            "--synth-max-tokens": args.synth_max_tokens,
+        }
+    )
     temperatures = {"--temperature": [args.temperature], "--answer-temperatures": args.answer_temperatures}
     for flag, values in temperatures.items():
         for t in values:

@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 
 
+def check_counts(flags: dict[str, int | None]) -> None:
+    """Each flag given (not None) is a count >= 1, or a UserError naming it (before any work)."""
+    from selfdraft.errors import UserError
+
+    for flag, value in flags.items():
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: pass a count of at least 1")
+
+
 def add_precision_arguments(
     parser: argparse.ArgumentParser, with_defaults: bool = True, dtype: str = "float32"
 ) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from selfdraft.errors import UserError
-from selfdraft.scripts.options import add_device_argument, add_num_proc_argument, resolve_device
+from selfdraft.scripts.options import add_device_argument, add_num_proc_argument, check_counts, resolve_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,9 +66,7 @@ def _tokenizer_folder(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--batch-size", args.batch_size), ("--num-proc", args.num_proc)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} {value}: pass a count of at least 1")
+    check_counts({"--batch-size": args.batch_size, "--num-proc": args.num_proc})
     prepare_from_config(
         args.config,
         args.output_dir,

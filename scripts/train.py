@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from selfdraft.errors import UserError
-from selfdraft.scripts.options import add_num_proc_argument
+from selfdraft.scripts.options import add_num_proc_argument, check_counts
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -38,9 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_launch(args: argparse.Namespace) -> None:
     """The launch flags, before any work: counts >= 1 and a node rank inside the node count."""
-    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes), ("--max-steps", args.max_steps)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} {value}: pass a count of at least 1")
+    check_counts({"--nproc": args.nproc, "--nnodes": args.nnodes, "--max-steps": args.max_steps})
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(
             f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: node ranks run from 0 to {args.nnodes - 1}"
@@ -89,7 +87,7 @@ def resume_command(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from selfdraft.destinations import check_destination
     from selfdraft.scripts.prepare import prepare_from_config
-    from selfdraft.training.checkpoint import RUN_FILE
+    from selfdraft.training.checkpoint import check_resumable
     from selfdraft.training.config import check_paths, load_run_config
 
     # Every node prepares before its ranks start, in parallel: with node-local storage each node needs
@@ -103,11 +101,8 @@ def run(args: argparse.Namespace) -> int:
     output_dir = Path(config.output_dir)
     # a file there, or a folder that cannot be written, is named before the data is prepared
     check_destination(output_dir, overwrite=True, option="output_dir")
-    if args.resume and not (output_dir / RUN_FILE).is_file():
-        raise UserError(
-            f"--resume: {output_dir} holds no run to continue (no {RUN_FILE}); drop --resume to start it, "
-            "or pass the output_dir of the run to continue"
-        )
+    if args.resume:
+        check_resumable(output_dir)  # before the data is prepared
     prepare_from_config(
         args.config,
         args.output_dir,

@@ -257,14 +257,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 HEADS_MODEL_TYPE = "selfdraft_heads"  # HeadsConfig.model_type (heads sit above this module)
 
 
-def check_target_folder(path: Path, name: str) -> None:
-    """A local target folder: not a heads folder, and holding a config, weights and a tokenizer."""
+def refuse_heads_folder(path: Path, name: str) -> None:
+    """A folder of draft heads named as the target is refused, naming the fix."""
     config = path / "config.json"
     if config.is_file() and f'"{HEADS_MODEL_TYPE}"' in config.read_text(errors="replace"):
         raise UserError(
             f"target {name!r} is a folder of draft heads, not a model; pass it as --heads (heads=) and "
             "name the model the heads were trained for as the target"
         )
+
+
+def check_target_folder(path: Path, name: str) -> None:
+    """A local target folder: not a heads folder, and holding a config, weights and a tokenizer."""
+    refuse_heads_folder(path, name)
+    config = path / "config.json"
     missing = [
         what
         for what, patterns in (("weights (model.safetensors)", WEIGHT_FILES), ("tokenizer", TOKENIZER_FILES))

@@ -56,16 +56,22 @@ def changed_settings(stored: dict, now: dict) -> list[str]:
     ]
 
 
+def check_resumable(output_dir: Path) -> None:
+    """--resume needs a run in `output_dir` (its run.json), or it is refused naming the folder."""
+    if not (output_dir / RUN_FILE).is_file():
+        raise ResumeError(
+            f"--resume: {output_dir} holds no run to continue (no {RUN_FILE}); drop --resume to start it, "
+            "or pass the output_dir of the run to continue"
+        )
+
+
 def check_meta(output_dir: Path, meta: dict, resume: bool) -> None:
     """On resume the stored run must match; a fresh run refuses to overwrite another run's checkpoints.
 
     Read-only, so every rank runs it and fails the same way before any collective call."""
     path = output_dir / RUN_FILE
-    if resume and not path.is_file():
-        raise ResumeError(
-            f"--resume: {output_dir} holds no run to continue (no {RUN_FILE}); drop --resume to start it, "
-            "or pass the output_dir of the run to continue"
-        )
+    if resume:
+        check_resumable(output_dir)
     if path.is_file():
         stored = json.loads(path.read_text())
         if not resume:

@@ -252,14 +252,10 @@ def _target_text_config(name_or_path: str):
     """The target's (text) config, read without loading its weights."""
     from transformers import AutoConfig
 
-    from selfdraft.target import HEADS_MODEL_TYPE, hub_kwargs, resolve_target_path
+    from selfdraft.target import hub_kwargs, refuse_heads_folder, resolve_target_path
 
     path = Path(resolve_target_path(name_or_path))
-    if (path / "config.json").is_file() and f'"{HEADS_MODEL_TYPE}"' in (path / "config.json").read_text():
-        raise ConfigError(
-            f"target {name_or_path!r} is a folder of draft heads, not a model; name the model the heads "
-            "were trained for as the target (and the heads as heads.init_from to continue them)"
-        )
+    refuse_heads_folder(path, name_or_path)
     adapter = path / "adapter_config.json"
     if adapter.is_file():  # a PEFT adapter: the depth and vocabulary are its base model's
         path = Path(resolve_target_path(json.loads(adapter.read_text())["base_model_name_or_path"]))
