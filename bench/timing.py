@@ -124,7 +124,7 @@ def run_speculative(
     model: SelfDraftModel, input_ids: torch.Tensor, max_new_tokens: int, streamer=None, **sampling
 ) -> tuple[Timed, GenerationOutput]:
     start = time.perf_counter()
-    out = model.generate(input_ids, max_new_tokens, streamer=streamer, **sampling)
+    out = model.generate(input_ids, max_new_tokens, streamer=streamer, profile=True, **sampling)
     return Timed(out.tokens, time.perf_counter() - start), out
 
 

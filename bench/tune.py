@@ -126,7 +126,7 @@ def score_trees(
             for c in shapes:  # interleaved per prompt
                 bar.set_postfix_str(c)
                 out = model.generate(
-                    ids, max_new_tokens, tree=shapes[c], temperature=temperature, seed=seed + i
+                    ids, max_new_tokens, tree=shapes[c], temperature=temperature, seed=seed + i, profile=True
                 )
                 runs[c].append(out)
                 bar.update()
@@ -165,7 +165,7 @@ def score_trees_batched(
             for c, shape in shapes.items():  # interleaved per batch
                 bar.set_postfix_str(c)
                 start = time.perf_counter()
-                outs = model.generate(group, max_new_tokens, tree=shape)
+                outs = model.generate(group, max_new_tokens, tree=shape, profile=True)
                 runs[c].append((outs, time.perf_counter() - start))
                 bar.update()
     scores = []

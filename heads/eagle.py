@@ -13,9 +13,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
-from selfdraft.heads.borrowed import BorrowingModule
 from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.projection import DraftVocab
+from selfdraft.heads.vocab import BorrowingModule, DraftVocab
 from selfdraft.kv import cache_kwargs
 
 # Keys of a target config that make no sense (or break construction) for a 1-layer body fed embeddings.

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from selfdraft.heads.borrowed import BorrowingModule
 from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.projection import DraftVocab
+from selfdraft.heads.vocab import BorrowingModule, DraftVocab
 
 
 class ResBlock(nn.Module):

@@ -1,21 +1,22 @@
 """Drafters: heads propose the tokens of a tree; the target verifies them afterwards.
 
 A drafter is created per `generate` call and owns that call's draft state (the EAGLE head's own KV
-cache); nothing is stored on the heads or the target. The generate loop drafts for B rows (a single
-prompt is a batch of one) through `make_drafter`'s answer, which speaks the
-`selfdraft.tree.RowsDrafter` protocol (`begin`, `children`, `feed`, `end`, each taking the growths'
-own request objects by row) plus two calls from the loop:
+cache); nothing is stored on the heads or the target. It drafts for B rows (a single prompt is a batch
+of one) through three calls:
 
     observe(row, next_tokens [P], hidden_states, positions [P])
         the target's features at P positions of that row whose next token is now known (prefill or
         accepted path)
+    propose(shapes, roots) -> one (TreeSpec, tokens [N], q) `Draft` per row
+        each row's tree under its root token, as its shape says (`selfdraft.tree.grow_trees`)
     retire(keep)
         only the rows `keep` go on
 
 `EagleRows` runs the EAGLE head once per tree depth over every row's frontier; `PerRow` serves each
-row with its own single-tree drafter (`selfdraft.tree.Drafter`: Medusa, test drafters), handing it
-that row's requests as they are. Children are the head's top-k by draft probability (deterministic
-picks, see `selfdraft.tree`), or drawn from it (`EagleRows.draw_with`).
+row with its own single-row drafter (Medusa, test drafters), which answers one call,
+`children(frontier) -> (target ids [n, k], draft log q [n, k])`. Children are the head's top-k by draft
+probability (deterministic picks, see `selfdraft.tree`), or drawn from it (`EagleRows.draw_with`).
+`draft_trees` adds what a shape grafts without heads (a prompt-lookup branch).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +35,30 @@ from selfdraft.heads.foreign.modules import ForeignEagleHead
 from selfdraft.heads.int8 import has_int8_weights
 from selfdraft.heads.medusa import MedusaHeads
 from selfdraft.precision import dtype_name
-from selfdraft.tree import Begin, Children, Feed, float_mask
+from selfdraft.tree import Frontier, TreeShape, TreeSpec, float_mask, grow_trees
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One row's drafted tree: its shape `spec`, tokens [N] (node 0 the root) and, when its children
+    were drawn from the heads' q instead of ranked, q [N, V] (rows of nodes that drew nothing are 0)."""
+
+    spec: TreeSpec
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+def draft_trees(
+    drafter, shapes: Sequence[TreeShape], roots: Sequence[int], contexts: Sequence[list[int]]
+) -> list[Draft]:
+    """Row b's tree: the drafter's part of shapes[b] under roots[b], completed with what the shape adds
+    from contexts[b] alone (a looked-up branch; drawn children come only from static trees, which add
+    nothing, so q stays aligned)."""
+    drafts = drafter.propose(shapes, roots)
+    return [
+        Draft(*shape.complete(d.spec, d.tokens, context), d.q)
+        for shape, d, context in zip(shapes, drafts, contexts, strict=True)
+    ]
 
 
 def ranked_children(logits: torch.Tensor, k: int, heads) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,29 +122,21 @@ class MedusaDrafter:
         self.last_feature = feature.to(self.dtype)
 
     @torch.no_grad()
-    def begin(self, request: Begin) -> None:
-        max_depth = request.max_depth
-        if max_depth > self.heads.num_heads:
-            raise UserError(
-                f"tree depth {max_depth} exceeds the {self.heads.num_heads} Medusa heads; "
-                f"choose a tree at most {self.heads.num_heads} deep (e.g. chain-{self.heads.num_heads})"
-            )
-        self.logits = self.heads.logits(self.last_feature, slice(0, max(1, max_depth)))  # [D, V']
-        self.ranked = None
-
-    def children(self, request: Children) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(self, frontier: Frontier) -> tuple[torch.Tensor, torch.Tensor]:
         # every node at one depth gets the same proposals: Medusa heads see only the last feature
-        k, depth, n = request.k, request.depth, len(request.nodes)
+        if frontier.depth == 0:  # a new tree: every depth's logits from one projection
+            if frontier.max_depth > self.heads.num_heads:
+                raise UserError(
+                    f"tree depth {frontier.max_depth} exceeds the {self.heads.num_heads} Medusa heads; "
+                    f"choose a tree at most {self.heads.num_heads} deep (e.g. chain-{self.heads.num_heads})"
+                )
+            self.logits = self.heads.logits(self.last_feature, slice(0, frontier.max_depth))  # [D, V']
+            self.ranked = None
+        k, n = frontier.k, len(frontier.nodes)
         if self.ranked is None or self.ranked[0].shape[-1] < k:
             self.ranked = ranked_children(self.logits, k, self.heads)  # [D, k]
-        ids, logq = self.ranked[0][depth, :k], self.ranked[1][depth, :k]
+        ids, logq = self.ranked[0][frontier.depth, :k], self.ranked[1][frontier.depth, :k]
         return ids.expand(n, -1), logq.expand(n, -1)
-
-    def feed(self, request: Feed) -> None:
-        pass
-
-    def end(self) -> None:
-        self.ranked = None
 
 
 class EagleRows:
@@ -127,7 +144,7 @@ class EagleRows:
 
     The head consumes pairs (x_{i+1}, f_i) at position i. A row's pending pairs (known tokens with the
     target's features, from `observe`) are consumed when its tree begins; tree nodes are then fed
-    their parent's predicted feature under an ancestor mask, and cropped when the trees end.
+    their parent's predicted feature under an ancestor mask, and cropped when the trees are drafted.
 
     Head cache layout, an invariant between trees: row b's pairs fill physical slots [0, lengths[b])
     of the head's cache [B, H, L, d], L = max lengths; slots past lengths[b] hold filler no real query
@@ -152,13 +169,28 @@ class EagleRows:
 
     def draw_with(self, temperature: float, generators: list[torch.Generator | None]) -> None:
         """From now on children are drawn without replacement from q = softmax(logits / temperature),
-        row b with generators[b]; `tree_dists` then gives the q that acceptance needs
+        row b with generators[b]; each `Draft` then carries the q that acceptance needs
         (`accept_rejection(variant="without_replacement")`)."""
         if temperature <= 0 or len(generators) != len(self.lengths):
             raise ValueError("drawing needs a temperature > 0 and one generator per row")
         self.temperature, self.generators = temperature, list(generators)
 
-    def tree_dists(self, row: int, size: int) -> torch.Tensor | None:
+    @torch.no_grad()
+    def propose(self, shapes: Sequence[TreeShape], roots: Sequence[int]) -> list[Draft]:
+        """Every row drafts its tree together, a head pass per depth for all rows (see the class)."""
+        if len(shapes) != len(self.lengths):
+            raise ValueError(f"every one of the {len(self.lengths)} rows must draft a tree together")
+        self._begin()
+        try:
+            trees = grow_trees([shape.start(root) for shape, root in zip(shapes, roots, strict=True)], self._expand)
+        finally:
+            kv.crop(self.cache, self.tree_start)  # tree entries never outlive the draft
+            self.slots, self.features = [], []
+        if not self.temperature:
+            return [Draft(spec, tokens) for spec, tokens in trees]
+        return [Draft(spec, tokens, self._tree_q(b, spec.size)) for b, (spec, tokens) in enumerate(trees)]
+
+    def _tree_q(self, row: int, size: int) -> torch.Tensor | None:
         """q [size, V] over the target vocabulary for the last tree row `row` drew (node order of the
         tree its growth returned); rows of nodes that drew nothing are zero. None when no node drew:
         the tree is its root alone (cut so at the context's end), with no children to verify."""
@@ -230,13 +262,10 @@ class EagleRows:
                 cache=self.cache,
             )
 
-    @torch.no_grad()
-    def begin(self, requests: dict[int, Begin]) -> None:
+    def _begin(self) -> None:
         """Every row begins a tree together: its pending pairs are fed causally after its cached
         pairs, and the last one predicts the feature of its root."""
         rows = len(self.lengths)
-        if sorted(requests) != list(range(rows)):
-            raise ValueError(f"every one of the {rows} rows must begin a tree together")
         tokens = [torch.cat([t for t, _ in p]) for p in self.pending]
         feats: list[torch.Tensor | None] = [torch.cat([f for _, f in p]) for p in self.pending]
         self.pending = [[] for _ in range(rows)]
@@ -256,8 +285,14 @@ class EagleRows:
         self.features = [{0: out[b, counts[b] - 1]} for b in range(rows)]
         self.dists = [{} for _ in range(rows)]
 
-    @torch.no_grad()
-    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def _expand(self, asks: dict[int, Frontier]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """One depth of every row's tree: below the root the frontier nodes are fed first (a head pass),
+        then their children are ranked or drawn from the features they predict."""
+        if next(iter(asks.values())).depth:
+            self._feed(asks)
+        return self._children(asks)
+
+    def _children(self, requests: dict[int, Frontier]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """One head projection over all requested rows' nodes (grouped by k, so each row's ranking is
         exactly what it would be alone)."""
         by_k: dict[int, list[int]] = defaultdict(list)
@@ -283,8 +318,7 @@ class EagleRows:
                 at += len(nodes)
         return answers
 
-    @torch.no_grad()
-    def feed(self, requests: dict[int, Feed]) -> None:
+    def _feed(self, requests: dict[int, Frontier]) -> None:
         """One head pass over every row's depth-d nodes: each is fed its parent's predicted feature and
         sees its row's pairs plus its tree ancestors (the root's pair is the row's last one)."""
         rows = len(self.lengths)
@@ -309,12 +343,6 @@ class EagleRows:
                 self.slots[b][u] = width + i
                 self.features[b][u] = out[b, i]
 
-    def end(self) -> None:
-        if self.tree_start is not None:
-            kv.crop(self.cache, self.tree_start)  # tree entries never outlive the draft
-        self.tree_start = None
-        self.slots, self.features = [], []
-
     def retire(self, keep: list[int]) -> None:
         """Only batch rows `keep` (in this order) go on; the others leave the head cache."""
         if keep == list(range(len(self.lengths))):
@@ -333,31 +361,21 @@ class EagleRows:
 
 
 class PerRow:
-    """B single drafters (one per row) behind the batch protocol: each row drafts on its own."""
+    """B single-row drafters (one per row) behind the batch calls: each row grows its own tree with
+    its drafter's `children` (no pass is shared, so the rows' trees need not grow in lockstep)."""
 
     def __init__(self, drafters: list) -> None:
         self.drafters = drafters
-        self.begun: list[int] = []
 
     def observe(self, row: int, next_tokens, hidden_states, positions) -> None:
         self.drafters[row].observe(next_tokens, hidden_states, positions)
 
-    def begin(self, requests: dict[int, Begin]) -> None:
-        for b, r in requests.items():
-            self.drafters[b].begin(r)
-            self.begun.append(b)
-
-    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return {b: self.drafters[b].children(r) for b, r in requests.items()}
-
-    def feed(self, requests: dict[int, Feed]) -> None:
-        for b, r in requests.items():
-            self.drafters[b].feed(r)
-
-    def end(self) -> None:
-        for b in self.begun:
-            self.drafters[b].end()
-        self.begun = []
+    def propose(self, shapes: Sequence[TreeShape], roots: Sequence[int]) -> list[Draft]:
+        out = []
+        for drafter, shape, root in zip(self.drafters, shapes, roots, strict=True):
+            ((spec, tokens),) = grow_trees([shape.start(root)], lambda asks, d=drafter: {0: d.children(asks[0])})
+            out.append(Draft(spec, tokens))
+        return out
 
     def retire(self, keep: list[int]) -> None:
         self.drafters = [self.drafters[b] for b in keep]
@@ -370,28 +388,19 @@ class NoDrafter:
     def observe(self, row: int, next_tokens, hidden_states, positions) -> None:
         pass
 
-    def begin(self, requests: dict[int, Begin]) -> None:
-        pass
-
-    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        raise UserError("plain decoding drafts no children; pass heads to draft a tree")
-
-    def feed(self, requests: dict[int, Feed]) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
+    def propose(self, shapes: Sequence[TreeShape], roots: Sequence[int]) -> list[Draft]:
+        if any(shape.draft_depth for shape in shapes):
+            raise UserError("plain decoding drafts no children; pass heads to draft a tree")
+        return [Draft(TreeSpec.chain(0), torch.tensor([int(root)])) for root in roots]
 
     def retire(self, keep: list[int]) -> None:
         pass
 
 
-PROTOCOL = ("observe", "begin", "children", "feed", "end")
-
-
 def is_drafter(obj) -> bool:
-    """An object that drafts one tree itself (the `selfdraft.tree.Drafter` protocol plus `observe`)."""
-    return all(callable(getattr(obj, name, None)) for name in PROTOCOL)
+    """A single-row drafter object: `observe(next_tokens, hidden_states, positions)` and
+    `children(frontier) -> (target ids [n, k], draft log q [n, k])` (see `selfdraft.tree.Frontier`)."""
+    return all(callable(getattr(obj, name, None)) for name in ("observe", "children"))
 
 
 def make_drafter(heads, rows: int):

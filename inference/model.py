@@ -13,7 +13,8 @@ from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
 from selfdraft.heads.int8 import int8_weights
 from selfdraft.inference.acceptance import SamplingParams
-from selfdraft.inference.decoding import GenerationOutput, row_seeds, speculative_generate
+from selfdraft.inference.decoding import GenerationOutput, speculative_generate
+from selfdraft.inference.requests import row_seeds
 from selfdraft.precision import (
     AUTO,
     draft_weights_int8,
@@ -356,6 +357,7 @@ class SelfDraftModel:
         tree: TreeLike | None = None,
         acceptance: str = "rejection",
         streamer=None,
+        profile: bool = False,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Decode after `input_ids` ([T] or [1, T]); temperature 0 is greedy and token-identical to the
         target's own greedy decoding. `acceptance="typical"` is Medusa's lossy typical acceptance.
@@ -364,6 +366,7 @@ class SelfDraftModel:
         list of GenerationOutput in the same order; every step verifies all rows' trees in one shared
         target pass (see `inference/decoding.py`; one prompt runs the same loop as a batch of one).
         seed: one int s (row i uses s + i), one seed per row, or None. No streamer with a batch.
+        profile: time each phase of the loop into the outputs' stats (`draft_time`, `verify_time`, ...).
 
         What holds for a batch, exactly: a row draws random numbers only from its own generator, and
         acceptance is lossless for whatever the heads drafted, so each row's output follows the
@@ -403,6 +406,7 @@ class SelfDraftModel:
             stop_token_ids=stops,
             acceptance=acceptance,
             streamer=streamer,
+            profile=profile,
         )
         return outs if batch else outs[0]
 

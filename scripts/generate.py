@@ -125,7 +125,7 @@ def run_file(args: argparse.Namespace, model, rows: list[dict]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.inference.decoding import row_seeds
+    from selfdraft.inference.requests import row_seeds
 
     if args.out and not args.prompts_file:
         from selfdraft.errors import UserError

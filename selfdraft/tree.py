@@ -1,4 +1,4 @@
-"""Draft trees: the verified tree as data, the shapes that grow one, and the masks the target sees.
+"""Draft trees as data: the verified tree, the shapes that say how a drafter fills one, and masks.
 
 `TreeSpec` is a concrete tree. Node 0 is the root (the last token already chosen, not yet in the
 target's KV cache). Every other node i has a parent `parents[i] < i` and a `rank`: which of the
@@ -12,28 +12,27 @@ neither drafters nor the decoding loop ask which kind they hold:
     shape.draft_depth          the deepest node the drafter itself proposes (a looked-up branch can be deeper)
     shape.max_tokens           the most tokens one verification pass can hold (root included)
     shape.limited(depth)       the same kind of shape whose drafter part is at most `depth` deep
-    shape.grow(root_token, context) -> a generator of drafter requests that returns (TreeSpec, tokens [N])
-    shape.draft(drafter, root_token, context) -> (TreeSpec, tokens [N]), one drafter serving `grow`
+    shape.start(root_token)    a `Growth`: the drafter's part of one tree, filled a depth at a time
+    shape.complete(spec, tokens, context) -> (TreeSpec, tokens [N]): what the shape adds without a
+                               drafter (a prompt-lookup branch); the drafted tree itself otherwise
     shape.describe()           a short human description
 
-A shape never calls a drafter itself: `grow` yields what it needs (`Begin`, then `Children` and
-`Feed` requests) and receives the answers, so one drafter can serve one tree (`drive`) or B rows'
-trees at once (`drive_rows`: every depth of every row in one head pass; the generate loop always
-drives rows, a single prompt being a batch of one). The request objects themselves reach the
-drafter, and its answers (tensors) reach the growing tree (`Grown`) as tensors.
+A growth is plain state: `frontier()` names the nodes that get children next (a `Frontier`), `take`
+adds the drafter's answer, `result()` is the drafted tree. `grow_trees` fills B rows' trees in
+lockstep, one depth a round, so an EAGLE head runs once per depth for the whole batch.
 
 Shapes: a `TreeSpec` itself (static: the same tree every step, Medusa `choices` style), a
 `DynamicTree` (EAGLE-2: grow by cumulative draft log-probability, keep the best nodes) and a
 `LookupTree` (any shape plus a prompt-lookup branch). Children are always a drafter's deterministic
-top-k picks, and a looked-up branch is a deterministic function of the context, so the exact
-acceptance rule for deterministic children (`acceptance.accept_rejection(variant="deterministic")`)
-keeps every shape lossless.
+top-k picks (or draws, see `drafting.drawn_children`), and a looked-up branch is a deterministic
+function of the context, so the exact acceptance rule for deterministic children
+(`acceptance.accept_rejection(variant="deterministic")`) keeps every shape lossless.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -42,110 +41,43 @@ import torch
 from selfdraft.errors import UserError
 
 
-class Drafter(Protocol):
-    """Serves one growing tree: each call takes the growth's own request (see `inference/drafting.py`)."""
-
-    def begin(self, request: Begin) -> None:
-        """Start a tree under `request.root_token`, at most `request.max_depth` deep."""
-
-    def children(self, request: Children) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best children of each requested node: (target ids [n, k], draft log q [n, k])."""
-
-    def feed(self, request: Feed) -> None:
-        """Make the requested nodes expandable (an EAGLE head runs on them)."""
-
-    def end(self) -> None:
-        """The tree is drafted; drop any per-tree state."""
-
-
-# ---- what a growing tree asks of its drafter --------------------------------------------------------
+# ---- growing trees: the drafter answers one frontier per depth ----------------------------------------
 @dataclass(frozen=True)
-class Begin:
-    """Always a growth's first request: start a tree under `root_token`, at most `max_depth` deep."""
-
-    root_token: int
-    max_depth: int
-
-
-@dataclass(frozen=True)
-class Children:
-    """Answer: the k best children of each node, (target ids [n, k], draft log q [n, k]) as tensors."""
+class Frontier:
+    """What a growing tree asks its drafter at one depth: the k best children of each of `nodes`
+    (indices into `grown`, all `depth` deep; a tree at most `max_depth` deep). Answer: (target ids
+    [n, k], draft log q [n, k]), best first."""
 
     grown: Grown
     nodes: list[int]
     depth: int
     k: int
+    max_depth: int
 
 
-@dataclass(frozen=True)
-class Feed:
-    """Make these depth-`depth` nodes expandable; answer None."""
+class Growth(Protocol):
+    """The drafter's part of one tree while it is filled (see `StaticGrowth`, `DynamicGrowth`)."""
 
-    grown: Grown
-    nodes: list[int]
-    depth: int
+    def frontier(self) -> Frontier | None:
+        """The nodes that get children next; None when the tree is complete."""
 
+    def take(self, ids: torch.Tensor, logq: torch.Tensor) -> None:
+        """Add the frontier's children: the drafter's answer (ids [n, k], log q [n, k])."""
 
-Request = Begin | Children | Feed
-Growth = Generator[Request, object, tuple["TreeSpec", torch.Tensor]]
-
-
-class RowsDrafter(Protocol):
-    """Serves the requests of B rows' growths at once (row b = batch row b); see `drive_rows`."""
-
-    def begin(self, requests: dict[int, Begin]) -> None: ...
-
-    def children(self, requests: dict[int, Children]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]: ...
-
-    def feed(self, requests: dict[int, Feed]) -> None: ...
-
-    def end(self) -> None: ...
+    def result(self) -> tuple[TreeSpec, torch.Tensor]:
+        """The drafted (TreeSpec, tokens [N])."""
 
 
-def drive(growth: Growth, drafter: Drafter) -> tuple[TreeSpec, torch.Tensor]:
-    """Serve one growth with one `Drafter`; returns the drafted (TreeSpec, tokens [N])."""
-    first = next(growth)
-    if not isinstance(first, Begin):
-        raise TypeError(f"a growth must start with Begin, not {type(first).__name__}")
-    drafter.begin(first)
-    try:
-        answer = None
-        while True:
-            request = growth.send(answer)
-            answer = drafter.children(request) if isinstance(request, Children) else drafter.feed(request)
-    except StopIteration as done:
-        return done.value
-    finally:
-        drafter.end()
+Expand = Callable[[dict[int, Frontier]], dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
 
-def drive_rows(growths: Sequence[Growth], drafter: RowsDrafter) -> list[tuple[TreeSpec, torch.Tensor]]:
-    """Serve B growths in lockstep: every round, all rows' Children requests go to the drafter in one
-    call and all their Feed requests in another, so an EAGLE head runs once per depth for the batch.
-    Returns row b's (TreeSpec, tokens [N_b]) at index b."""
-    requests = {b: next(g) for b, g in enumerate(growths)}
-    if not all(isinstance(r, Begin) for r in requests.values()):
-        raise TypeError("every growth must start with Begin")
-    drafter.begin(requests)
-    results: list = [None] * len(growths)
-    try:
-        answers: dict[int, object] = {b: None for b in requests}
-        while answers:
-            requests = {}
-            for b, answer in answers.items():
-                try:
-                    requests[b] = growths[b].send(answer)
-                except StopIteration as done:
-                    results[b] = done.value
-            asks = {b: r for b, r in requests.items() if isinstance(r, Children)}
-            feeds = {b: r for b, r in requests.items() if isinstance(r, Feed)}
-            answers = drafter.children(asks) if asks else {}
-            if feeds:
-                drafter.feed(feeds)
-                answers.update(dict.fromkeys(feeds))
-    finally:
-        drafter.end()
-    return results
+def grow_trees(growths: Sequence[Growth], expand: Expand) -> list[tuple[TreeSpec, torch.Tensor]]:
+    """Fill B trees in lockstep, a depth a round: `expand` gets every unfinished row's frontier (by row)
+    and answers each row's children. Returns row b's (TreeSpec, tokens [N_b]) at index b."""
+    while asks := {b: f for b, g in enumerate(growths) if (f := g.frontier()) is not None}:
+        for b, (ids, logq) in expand(asks).items():
+            growths[b].take(ids, logq)
+    return [g.result() for g in growths]
 
 
 # ---- the concrete tree ------------------------------------------------------------------------------
@@ -282,9 +214,6 @@ class TreeSpec:
             return f"chain of {self.max_depth}"
         return f"static tree of {self.size - 1} nodes, depth {self.max_depth}"
 
-    def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
-        return drive(self.grow(root_token, context), drafter)
-
     @cached_property
     def levels(self) -> tuple[tuple[tuple[int, ...], int, tuple[int, ...], torch.Tensor, torch.Tensor], ...]:
         """How `grow` fills this tree, per depth d: (the depth-d nodes that have children, k = how many
@@ -300,24 +229,42 @@ class TreeSpec:
             frontier = [c for c in kids if self.children[c]]
         return tuple(out)
 
-    def grow(self, root_token: int, context: Sequence[int] = ()) -> Growth:
-        """Fill this fixed tree: node i takes its parent's rank-`ranks[i]` child. Returns (self, tokens [N])."""
-        grown = Grown.rooted(root_token)
-        node_of = {0: 0}  # this tree's node -> index in `grown`
-        yield Begin(root_token, self.max_depth)
-        for depth, (frontier, k, kids, rows, ranks) in enumerate(self.levels):
-            nodes = [node_of[u] for u in frontier]
-            if depth:
-                yield Feed(grown, nodes, depth)
-            ids, logq = yield Children(grown, nodes, depth, k)
-            parents = [node_of[self.parents[c]] for c in kids]
-            new = grown.add(parents, [self.ranks[c] for c in kids], ids[rows, ranks], logq[rows, ranks])
-            node_of.update(zip(kids, new, strict=True))
+    def start(self, root_token: int) -> StaticGrowth:
+        return StaticGrowth(self, Grown.rooted(root_token))
+
+    def complete(self, spec: TreeSpec, tokens: torch.Tensor, context: Sequence[int]) -> tuple[TreeSpec, torch.Tensor]:
+        return spec, tokens
+
+
+@dataclass
+class StaticGrowth:
+    """Fills a fixed tree a level at a time: node i takes its parent's rank-`ranks[i]` child."""
+
+    spec: TreeSpec
+    grown: Grown
+    depth: int = 0
+    node_of: dict[int, int] = field(default_factory=lambda: {0: 0})  # the spec's node -> index in `grown`
+
+    def frontier(self) -> Frontier | None:
+        if self.depth == len(self.spec.levels):
+            return None
+        frontier, k, *_ = self.spec.levels[self.depth]
+        return Frontier(self.grown, [self.node_of[u] for u in frontier], self.depth, k, self.spec.max_depth)
+
+    def take(self, ids: torch.Tensor, logq: torch.Tensor) -> None:
+        _, _, kids, rows, ranks = self.spec.levels[self.depth]
+        parents = [self.node_of[self.spec.parents[c]] for c in kids]
+        new = self.grown.add(parents, [self.spec.ranks[c] for c in kids], ids[rows, ranks], logq[rows, ranks])
+        self.node_of.update(zip(kids, new, strict=True))
+        self.depth += 1
+
+    def result(self) -> tuple[TreeSpec, torch.Tensor]:
         # nodes in the order they were drafted, so a drafter's per-node records (the q a node's children
-        # were drawn from) index the result; for trees built by from_paths that is this tree's own order,
-        # and returning self keeps its cached properties instead of rebuilding a tree every step
-        if tuple(grown.parents) == self.parents and tuple(grown.ranks) == self.ranks:
-            return self, grown.tokens
+        # were drawn from) index the result; for trees built by from_paths that is the spec's own order,
+        # and returning the spec keeps its cached properties instead of rebuilding a tree every step
+        grown = self.grown
+        if tuple(grown.parents) == self.spec.parents and tuple(grown.ranks) == self.spec.ranks:
+            return self.spec, grown.tokens
         return TreeSpec.from_parents(grown.parents, grown.ranks), grown.tokens
 
 
@@ -415,25 +362,39 @@ class DynamicTree:
     def describe(self) -> str:
         return f"dynamic (depth {self.depth}, top-k {self.top_k}, {self.total_tokens} tokens)"
 
-    def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
-        return drive(self.grow(root_token, context), drafter)
+    def start(self, root_token: int) -> DynamicGrowth:
+        return DynamicGrowth(self, Grown.rooted(root_token))
 
-    def grow(self, root_token: int, context: Sequence[int] = ()) -> Growth:
-        grown = Grown.rooted(root_token)
-        frontier = [0]
-        yield Begin(root_token, self.depth)
-        for depth in range(self.depth):
-            ids, logq = yield Children(grown, frontier, depth, self.top_k)
-            n, k = ids.shape
-            parents = [u for u in frontier for _ in range(k)]
-            new = grown.add(parents, list(range(k)) * n, ids.reshape(-1), logq.reshape(-1))
-            if depth + 1 == self.depth:
-                break
+    def complete(self, spec: TreeSpec, tokens: torch.Tensor, context: Sequence[int]) -> tuple[TreeSpec, torch.Tensor]:
+        return spec, tokens
+
+
+@dataclass
+class DynamicGrowth:
+    """Grows a `DynamicTree`: the root, then at each depth the `top_k` best new nodes, expand."""
+
+    tree: DynamicTree
+    grown: Grown
+    depth: int = 0
+    nodes: list[int] = field(default_factory=lambda: [0])
+
+    def frontier(self) -> Frontier | None:
+        if self.depth == self.tree.depth:
+            return None
+        return Frontier(self.grown, self.nodes, self.depth, self.tree.top_k, self.tree.depth)
+
+    def take(self, ids: torch.Tensor, logq: torch.Tensor) -> None:
+        n, k = ids.shape
+        parents = [u for u in self.nodes for _ in range(k)]
+        new = self.grown.add(parents, list(range(k)) * n, ids.reshape(-1), logq.reshape(-1))
+        self.depth += 1
+        if self.depth < self.tree.depth:
             # the best-scoring new nodes expand; equal scores keep node order (a stable sort)
-            order = torch.sort(grown.scores[new.start :], descending=True, stable=True).indices[: self.top_k]
-            frontier = [new.start + i for i in order.tolist()]
-            yield Feed(grown, frontier, depth + 1)
-        return grown.best(self.total_tokens)
+            order = torch.sort(self.grown.scores[new.start :], descending=True, stable=True).indices
+            self.nodes = [new.start + i for i in order[: self.tree.top_k].tolist()]
+
+    def result(self) -> tuple[TreeSpec, torch.Tensor]:
+        return self.grown.best(self.tree.total_tokens)
 
 
 @dataclass(frozen=True)
@@ -501,11 +462,11 @@ class LookupTree:
             text += f", and up to {self.lookup.extend} looked-up tokens after the heads' first-choice path"
         return text
 
-    def draft(self, drafter: Drafter, root_token: int, context: Sequence[int] = ()) -> tuple[TreeSpec, torch.Tensor]:
-        return drive(self.grow(root_token, context), drafter)
+    def start(self, root_token: int) -> Growth:
+        return self.base.start(root_token)
 
-    def grow(self, root_token: int, context: Sequence[int] = ()) -> Growth:
-        spec, tokens = yield from self.base.grow(root_token, context)
+    def complete(self, spec: TreeSpec, tokens: torch.Tensor, context: Sequence[int]) -> tuple[TreeSpec, torch.Tensor]:
+        """The drafted tree (spec, tokens [N]) plus the looked-up branch (and extension)."""
         spec, tokens = graft_chain(spec, tokens, lookup_continuation(context, self.lookup))
         if not self.lookup.extend:
             return spec, tokens
@@ -606,13 +567,6 @@ def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min
     )
-
-
-def tree_attention_mask(
-    spec: TreeSpec, prefix_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """[1, 1, N, prefix_len + N]: every tree node sees the whole cached prefix plus its own ancestors."""
-    return additive_mask(ancestor_matrix(spec), prefix_len, dtype, device)
 
 
 def block_causal_mask(

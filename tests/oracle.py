@@ -27,12 +27,11 @@ class OracleDrafter:
     def _wrong(self, right: int, salt: int) -> int:
         return (right + 1 + salt) % self.vocab
 
-    def begin(self, request) -> None:
-        self.calls += 1
-        self.miss = bool(self.miss_every and self.calls % self.miss_every == 0)
-
-    def children(self, request) -> tuple[torch.Tensor, torch.Tensor]:
-        grown, nodes, depth, k = request.grown, request.nodes, request.depth, request.k
+    def children(self, frontier) -> tuple[torch.Tensor, torch.Tensor]:
+        grown, nodes, depth, k = frontier.grown, frontier.nodes, frontier.depth, frontier.k
+        if depth == 0:  # a new tree
+            self.calls += 1
+            self.miss = bool(self.miss_every and self.calls % self.miss_every == 0)
         at = self.known + depth + 1  # index of the children's token in the reference
         right = self.reference[at] if at < len(self.reference) else 0
         ids = torch.empty(len(nodes), k, dtype=torch.long)
@@ -46,9 +45,3 @@ class OracleDrafter:
                 ids[row, r] = right if good else self._wrong(right, r)
         logq = -torch.arange(k, dtype=torch.float32).expand(len(nodes), k)  # rank order
         return ids, logq
-
-    def feed(self, request) -> None:
-        pass
-
-    def end(self) -> None:
-        pass

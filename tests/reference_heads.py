@@ -4,8 +4,8 @@ import torch
 
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
+from selfdraft.inference.decoding import prefill
 from selfdraft.inference.drafting import EagleRows
-from selfdraft.inference.passes import prefill
 
 from tiny_models import tiny_target
 

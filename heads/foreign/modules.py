@@ -46,9 +46,8 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from selfdraft.heads.borrowed import BorrowingModule
 from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.projection import DraftVocab
+from selfdraft.heads.vocab import BorrowingModule, DraftVocab
 
 # Keys of HeadsConfig.eagle_layer_config (the published decoder layer's own dimensions).
 LAYER_KEYS = (

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from selfdraft.heads.projection import DraftVocab
+from selfdraft.heads.vocab import DraftVocab
 from selfdraft.training.simulate import MISS, DepthRanks, label_ranks, simulated_tau
 from selfdraft.tree import TreeSpec
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from selfdraft import kv
-from selfdraft.inference.passes import prefill, verify
-from selfdraft.tree import NAMED_TREES, TreeSpec, tree_attention_mask
+from selfdraft.inference.decoding import prefill, verify
+from selfdraft.inference.drafting import Draft
+from selfdraft.tree import NAMED_TREES, TreeSpec, additive_mask, ancestor_matrix
 
 from tiny_models import CONFIGS, tiny_target
 
@@ -24,7 +25,7 @@ def test_tree_pass_matches_sequential(arch, attn, spec):
     tokens = torch.randint(0, 96, (spec.size,), generator=gen)
     cache = kv.new_cache()
     prefill(target, [prompt[0]], cache)
-    tree = verify(target, cache, [(spec, tokens)], [7])
+    tree = verify(target, cache, [Draft(spec, tokens)], [7])
     assert kv.cache_length(cache) == 7 + spec.size
     for node in range(spec.size):
         path = tokens[spec.path_to(node)]
@@ -35,7 +36,7 @@ def test_tree_pass_matches_sequential(arch, attn, spec):
 
 
 def test_mask_is_float_additive():
-    mask = tree_attention_mask(RAGGED, 3)
+    mask = additive_mask(ancestor_matrix(RAGGED), 3)
     assert mask.dtype == torch.float32 and mask.shape == (1, 1, RAGGED.size, 3 + RAGGED.size)
     assert set(mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
     # node 2 = path (0, 0): sees prefix, root, node 1 (0,) and itself only

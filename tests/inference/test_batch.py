@@ -284,7 +284,7 @@ def test_bench_batch_section(tmp_path, tiny_target_dir):
 
 def test_prefill_without_logits_to_keep(monkeypatch):
     """A target whose forward lacks `logits_to_keep` gets full prefill logits, sliced per row."""
-    from selfdraft.inference import passes
+    from selfdraft.inference import decoding as passes
 
     target = tiny_target("llama")
     model = SelfDraftModel(target, None, random_heads(target, "medusa", 0), tree="small")

@@ -1,12 +1,12 @@
-"""Batched drafting (`drafting.EagleRows` + `tree.drive_rows`) against one single-row `EagleRows` per row: every
-row of the batch drafts exactly the tree it drafts alone, across ragged pending blocks, steps and
-rows leaving the batch."""
+"""Batched drafting (`drafting.EagleRows`, through `drafting.draft_trees`) against one single-row
+`EagleRows` per row: every row of the batch drafts exactly the tree it drafts alone, across ragged
+pending blocks, steps and rows leaving the batch."""
 
 import pytest
 import torch
 
-from selfdraft.inference.drafting import EagleRows, PerRow
-from selfdraft.tree import DynamicTree, LookupTree, PromptLookup, TreeSpec, drive_rows
+from selfdraft.inference.drafting import EagleRows, PerRow, draft_trees
+from selfdraft.tree import DynamicTree, LookupTree, PromptLookup, TreeSpec
 
 from oracle import OracleDrafter
 from tiny_models import random_heads, tiny_target
@@ -44,10 +44,10 @@ def test_each_row_drafts_what_it_drafts_alone(arch, shape):
     roots = [7, 7, 7]
     live = [0, 1, 2]
     for step in range(4):
-        want = [drive_rows([tree.grow(roots[i], contexts[b])], alone[b])[0] for i, b in enumerate(live)]
-        got = drive_rows([tree.grow(roots[i], contexts[b]) for i, b in enumerate(live)], batch)
-        for (ws, wt), (gs, gt) in zip(want, got, strict=True):
-            assert ws == gs and torch.equal(wt, gt)
+        want = [draft_trees(alone[b], [tree], [roots[i]], [contexts[b]])[0] for i, b in enumerate(live)]
+        got = draft_trees(batch, [tree] * len(live), roots, [contexts[b] for b in live])
+        for w, g in zip(want, got, strict=True):
+            assert w.spec == g.spec and torch.equal(w.tokens, g.tokens)
         # each row accepts a different number of tokens (1..3 pairs of the target's features)
         for i, b in enumerate(live):
             accepted = torch.randint(0, 96, (1 + (b + step) % 3,), generator=gen)
@@ -73,12 +73,12 @@ def test_rows_drafter_protocol_errors_and_per_row_adapter():
         batch.observe(b, p, _features(target, p), torch.arange(p.numel()))
     tree = TreeSpec.chain(2)
     with pytest.raises(ValueError, match="every one of the 2 rows"):
-        drive_rows([tree.grow(1)], batch)
-    # PerRow serves each row with its own drafter and ends only the trees it began
+        batch.propose([tree], [1])
+    # PerRow serves each row with its own drafter
     alone = [OracleDrafter([1, 2, 3, 4, 5, 6], 96) for _ in range(2)]
     rows = PerRow(alone)
     for b in range(2):
         p = torch.arange(1, 4 + b)
         rows.observe(b, p, _features(target, p), torch.arange(p.numel()))
-    got = drive_rows([tree.grow(1), tree.grow(2)], rows)
-    assert [s.size for s, _ in got] == [3, 3] and rows.begun == []
+    got = rows.propose([tree, tree], [1, 2])
+    assert [d.spec.size for d in got] == [3, 3] and [int(d.tokens[0]) for d in got] == [1, 2]

@@ -49,9 +49,6 @@ class TopKOracle:
             self.context = PROMPT[0, :1].tolist()
         self.context += next_tokens.tolist()
 
-    def begin(self, request) -> None:
-        pass
-
     @torch.no_grad()
     def children(self, request):
         grown, paths = request.grown, []
@@ -64,12 +61,6 @@ class TopKOracle:
         logits = self.target(torch.tensor(paths)).logits[:, -1]  # same depth: same length
         top = torch.topk(torch.log_softmax(logits, -1), request.k, dim=-1)
         return top.indices, top.values
-
-    def feed(self, request) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
 
 
 def exact_four_token_law(target) -> tuple[torch.Tensor, list[torch.Tensor]]:

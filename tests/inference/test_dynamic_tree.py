@@ -8,7 +8,8 @@ import torch
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import SelfDraftModel
-from selfdraft.tree import DynamicTree, drive_rows
+from selfdraft.inference.drafting import PerRow
+from selfdraft.tree import DynamicTree
 from selfdraft.tree_syntax import resolve_tree
 
 from reference_heads import eagle_after_prompt, reference_tokens
@@ -22,13 +23,15 @@ class TableDrafter:
         self.gen = torch.Generator().manual_seed(seed)
         self.k = k
         self.table: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.fed: list[tuple[int, int]] = []
-        self.ended = False
+        self.fed: list[tuple[int, list[int]]] = []  # the frontiers below the root, which a head would feed
 
-    def begin(self, request):
+    def observe(self, next_tokens, hidden_states, positions):
         pass
 
     def children(self, request):
+        if request.depth:
+            self.fed.append((request.depth, list(request.nodes)))
+        self.grown = request.grown
         ids, logq = [], []
         depth, k = request.depth, request.k
         for u in request.nodes:
@@ -40,21 +43,14 @@ class TableDrafter:
             logq.append(self.table[(depth, u)][1])
         return torch.stack(ids), torch.stack(logq)
 
-    def feed(self, request):
-        self.fed.append((request.depth, list(request.nodes)))
-        self.grown = request.grown
-
-    def end(self):
-        self.ended = True
-
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("policy", [DynamicTree(3, 2, 5), DynamicTree(4, 3, 10), DynamicTree(2, 4, 30)])
 def test_selection_is_best_scoring_and_ancestor_closed(seed, policy):
     drafter = TableDrafter(seed, policy.top_k)
-    spec, tokens = policy.draft(drafter, 7)
-    grown = drafter.grown
-    assert drafter.ended and tokens[0] == 7 and spec.max_depth <= policy.depth
+    (draft,) = PerRow([drafter]).propose([policy], [7])
+    spec, tokens, grown = draft.spec, draft.tokens, drafter.grown
+    assert tokens[0] == 7 and spec.max_depth <= policy.depth
     # every fed frontier is exactly the top_k nodes of its depth by cumulative score
     assert [d for d, _ in drafter.fed] == list(range(1, policy.depth))
     for depth, fed in drafter.fed:
@@ -87,7 +83,8 @@ def test_resolve_dynamic_names():
 def test_eagle_dynamic_draft_matches_recomputation(arch):
     heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=3)
     with torch.no_grad():
-        spec, tokens = drive_rows([DynamicTree(depth=3, top_k=3, total_tokens=8).grow(root)], drafter)[0]
+        (draft,) = drafter.propose([DynamicTree(depth=3, top_k=3, total_tokens=8)], [root])
+        spec, tokens = draft.spec, draft.tokens
         # the dynamic tree's nodes are exactly what the head proposes along each path (ranks included)
         expected = reference_tokens(heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 3)
     assert tokens.tolist() == expected

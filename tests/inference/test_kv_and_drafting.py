@@ -5,9 +5,9 @@ import torch
 
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
-from selfdraft.inference.drafting import MedusaDrafter
-from selfdraft.inference.passes import prefill, verify
-from selfdraft.tree import NAMED_TREES, TreeSpec, drive_rows
+from selfdraft.inference.decoding import prefill, verify
+from selfdraft.inference.drafting import Draft, MedusaDrafter, PerRow
+from selfdraft.tree import NAMED_TREES, TreeSpec
 
 from reference_heads import eagle_after_prompt, reference_tokens
 from tiny_models import tiny_target
@@ -24,7 +24,7 @@ def test_compacted_cache_equals_fresh_forward(arch, path_ranks):
     tokens = torch.randint(0, 96, (SPEC.size,), generator=gen)
     cache = kv.new_cache()
     prefill(target, [prompt[0]], cache)
-    verify(target, cache, [(SPEC, tokens)], [6])
+    verify(target, cache, [Draft(SPEC, tokens)], [6])
     node = SPEC.paths.index(path_ranks)
     path = SPEC.path_to(node)
     kv.keep_positions(cache, 6, 6 + torch.tensor(path))
@@ -51,7 +51,7 @@ def test_crop_and_errors():
 def test_eagle_tree_drafting_matches_cache_free_recomputation(arch, spec):
     heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=2)
     with torch.no_grad():
-        _, tokens = drive_rows([spec.grow(root)], drafter)[0]
+        tokens = drafter.propose([spec], [root])[0].tokens
         expected = reference_tokens(
             heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 4
         )
@@ -66,14 +66,14 @@ def test_medusa_drafting_uses_head_per_depth():
         for p in heads.parameters():
             p.normal_(0, 0.2)
     hidden = torch.randn(1, 3, 32)
-    drafter = MedusaDrafter(heads)
-    drafter.observe(torch.tensor([1, 2, 3]), (hidden,), torch.arange(3))
+    drafter = PerRow([MedusaDrafter(heads)])
+    drafter.observe(0, torch.tensor([1, 2, 3]), (hidden,), torch.arange(3))
     spec = NAMED_TREES["small"]
-    _, tokens = spec.draft(drafter, 7)
+    tokens = drafter.propose([spec], [7])[0].tokens
     with torch.no_grad():
         logits = heads.logits(hidden[0, -1])
     for i in range(1, spec.size):
         top = torch.topk(logits[spec.depths[i] - 1], spec.ranks[i] + 1).indices
         assert tokens[i] == top[spec.ranks[i]]
     with pytest.raises(ValueError, match="Medusa heads"):
-        TreeSpec.chain(5).draft(drafter, 7)
+        drafter.propose([TreeSpec.chain(5)], [7])

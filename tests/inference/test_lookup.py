@@ -6,6 +6,7 @@ import torch
 
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import SamplingParams
+from selfdraft.inference.drafting import PerRow, draft_trees
 from selfdraft.tree import (
     LookupTree,
     PromptLookup,
@@ -51,6 +52,12 @@ def test_graft_follows_matching_children_and_branches_at_the_first_mismatch():
     assert values.tolist() == [10, 11, 12, 20, 21]
 
 
+def drafted(shape, drafter, root: int, context: list[int]) -> tuple[TreeSpec, torch.Tensor]:
+    """One row's tree as the generate loop drafts it: the drafter's part, then the looked-up branch."""
+    (draft,) = draft_trees(PerRow([drafter]), [shape], [root], [context])
+    return draft.spec, draft.tokens
+
+
 def heads_proposing(path: list[int]) -> OracleDrafter:
     """A drafter whose first choice below the root 9 is `path` (one child per node on a chain)."""
     return OracleDrafter([9, *path], vocab_size=50)
@@ -61,17 +68,17 @@ def test_extension_continues_the_heads_first_choice_path():
     # the start of the context, so the extension grafts what followed it there below the path's end
     context = [6, 7, 40, 41, 42, 9]
     plain = LookupTree(TreeSpec.chain(2), PromptLookup(tokens=5))
-    spec, tokens = plain.draft(heads_proposing([6, 7]), 9, context)
+    spec, tokens = drafted(plain, heads_proposing([6, 7]), 9, context)
     assert spec == TreeSpec.chain(2) and tokens.tolist() == [9, 6, 7]
     extended = LookupTree(TreeSpec.chain(2), PromptLookup(tokens=5, extend=2))
-    spec, tokens = extended.draft(heads_proposing([6, 7]), 9, context)
+    spec, tokens = drafted(extended, heads_proposing([6, 7]), 9, context)
     assert spec.parents == (-1, 0, 1, 2, 3) and tokens.tolist() == [9, 6, 7, 40, 41]
     # the root branch (5) can run past the heads' path and carry the extension (2) below its end
     assert extended.max_depth == 5 + 2 and extended.max_tokens == 3 + 5 + 2
     # a path the context never held is not extended, nor one whose last token alone occurred (7):
     # the key must hold at least two tokens
     for path in ([8, 3], [8, 7]):
-        spec, tokens = extended.draft(heads_proposing(path), 9, context)
+        spec, tokens = drafted(extended, heads_proposing(path), 9, context)
         assert tokens.tolist() == [9, *path]
 
 
@@ -180,7 +187,7 @@ def test_lookup_depth_bound_holds_when_the_branch_runs_past_the_heads_path():
     nodes become the first-choice path, and the extension hangs below them: depth tokens + extend."""
     context = [5, 9, 6, 1, 2, 3, 4, 8, 5, 9]
     tree = LookupTree(TreeSpec.chain(1), PromptLookup(tokens=5, extend=3))
-    spec, tokens = tree.draft(heads_proposing([6]), 9, context)
+    spec, tokens = drafted(tree, heads_proposing([6]), 9, context)
     # the branch [6, 1, 2, 3, 4] took over the heads' node 6; the extension [8, 5, 9] hangs below it
     assert tokens.tolist() == [9, 6, 1, 2, 3, 4, 8, 5, 9]
     assert spec.max_depth == 8 == tree.max_depth

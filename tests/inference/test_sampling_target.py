@@ -9,7 +9,8 @@ import torch
 from selfdraft import kv
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import SamplingParams, accept_rejection, warp_probs
-from selfdraft.inference.passes import prefill, verify
+from selfdraft.inference.decoding import prefill, verify
+from selfdraft.inference.drafting import Draft
 from selfdraft.tree import TreeSpec
 
 from stats import chi_square, exact_two_token_law
@@ -92,7 +93,7 @@ def test_smollm_second_token_distribution(smollm):
         ranked = torch.argsort(p2, descending=True)
         picks = [ranked[0], ranked[1], ranked[500], ranked[5], ranked[2]]
         tokens = torch.tensor([x1, *[int(t) for t in picks]])
-        passed = verify(target, cache, [(spec, tokens)], [prefix])
+        passed = verify(target, cache, [Draft(spec, tokens)], [prefix])
         kv.crop(cache, prefix)
         p = warp_probs(passed.logits[0].double(), params)
         counts = torch.zeros_like(p2)

@@ -211,7 +211,7 @@ def test_exact_greedy_ids_only_where_asked():
     others keep the free argmax over the heads' vocabulary."""
     from types import SimpleNamespace
 
-    from selfdraft.heads.projection import DraftVocab
+    from selfdraft.heads.vocab import DraftVocab
     from selfdraft.training.output_head import OutputHead
     from selfdraft.training.steps import _greedy_target_ids
 

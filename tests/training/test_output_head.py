@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
 
 from selfdraft.errors import UserError
-from selfdraft.heads.projection import DraftVocab
+from selfdraft.heads.vocab import DraftVocab
 from selfdraft.training.output_head import OutputHead, check_output_head, output_head
 from selfdraft.training.steps import target_logits
 

@@ -1,7 +1,10 @@
-"""Target modules the heads use without owning them (embeddings, lm_head).
+"""How heads see the target's vocabulary: the target's embeddings and lm_head, borrowed, and a reduced
+draft vocabulary with its maps to the target's (EAGLE-3's `d2t` / `t2d`: target_id = draft_id +
+d2t[draft_id]), which an own projection of the heads ranks.
 
-Held in a plain dataclass, not as submodules, so they never enter the heads' `state_dict`, their
-parameters, or an optimizer: nothing is copied and nothing of the target is ever saved with heads.
+The borrowed modules are held in a plain dataclass, not as submodules, so they never enter the heads'
+`state_dict`, their parameters, or an optimizer: nothing is copied and nothing of the target is ever
+saved with heads.
 """
 
 from __future__ import annotations
@@ -58,3 +61,34 @@ class BorrowingModule(nn.Module):
             lm_head = self._need().lm_head
             return lm_head(features.to(lm_head.weight.dtype))
         return self.lm_head(features)
+
+
+class DraftVocab(nn.Module):
+    """Maps between a reduced draft vocabulary [Vd] and the target vocabulary [V]."""
+
+    def __init__(self, draft_vocab_size: int, target_vocab_size: int) -> None:
+        super().__init__()
+        # Identity maps until trained maps are loaded (the first Vd target ids).
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    def set_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not match the draft vocab")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """draft_ids: [...] -> target ids [...]."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_ids(self) -> torch.Tensor:
+        """Target id of every draft id: [Vd]."""
+        return self.to_target(torch.arange(self.d2t.numel(), device=self.d2t.device))
+
+    def scatter_to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs: [..., Vd] over the draft vocab -> [..., V] over the target vocab (zeros elsewhere)."""
+        out = probs.new_zeros(*probs.shape[:-1], self.t2d.numel())
+        return out.index_copy_(-1, self.target_ids(), probs)
