@@ -34,7 +34,7 @@ def prepare_from_config(
 
     from selfdraft.target import load_target, resolve_target_path
     from selfdraft.training.config import check_paths, load_run_config, resolve_precision
-    from selfdraft.training.prepare import features_ready, prepare_features, prepare_splits
+    from selfdraft.training.data.prepare import features_ready, prepare_features, prepare_splits
 
     overrides: dict = {"output_dir": output_dir} if output_dir else {}
     if precision:

@@ -37,19 +37,19 @@ from selfdraft.training.config import (
     resolve_for_target,
     resolve_precision,
 )
-from selfdraft.training.distributed import init_distributed, shutdown_distributed
-from selfdraft.training.engine import TimeBudget, build_engine, fed_tokens
-from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, with_features
-from selfdraft.training.feature_cache import HiddenStateCache
-from selfdraft.training.objectives import build_draft_vocab, count_tokens
-from selfdraft.training.output_head import check_output_head, output_head
-from selfdraft.training.prepare import (
+from selfdraft.training.data.feature_cache import HiddenStateCache
+from selfdraft.training.data.prepare import (
     cache_ready,
     check_cache_matches,
     feature_layers,
     prepare_features,
     prepare_splits,
 )
+from selfdraft.training.distributed import init_distributed, shutdown_distributed
+from selfdraft.training.engine import TimeBudget, build_engine, fed_tokens
+from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, with_features
+from selfdraft.training.objectives import build_draft_vocab, count_tokens
+from selfdraft.training.output_head import check_output_head, output_head
 from selfdraft.training.simulate import simulated_tau
 from selfdraft.training.steps import StepOutput
 from selfdraft.training.strategies import Objective, objective_for

@@ -28,7 +28,7 @@ def _examples(path, stored=None):
     """What the worker trains on for the config at `path` (its splits built as the worker builds them)."""
     from selfdraft.target import load_target
     from selfdraft.training.config import load_run_config
-    from selfdraft.training.prepare import feature_layers, prepare_splits
+    from selfdraft.training.data.prepare import feature_layers, prepare_splits
     from selfdraft.training.train import training_examples
 
     config = load_run_config(path)
@@ -61,8 +61,8 @@ def test_a_resumed_partial_cache_run_reads_the_shards_it_started_with(tmp_path, 
     order, so it reads the shards recorded in run.json, not the larger set now on disk."""
     from selfdraft.target import load_target
     from selfdraft.training.config import load_run_config
-    from selfdraft.training.feature_cache import cache_hidden_states
-    from selfdraft.training.prepare import feature_layers, prepare_splits, split_data
+    from selfdraft.training.data.feature_cache import cache_hidden_states
+    from selfdraft.training.data.prepare import feature_layers, prepare_splits, split_data
     from selfdraft.training.train import record_run
 
     path = _cached_run(text_run, tmp_path, "run", partial_cache=True)

@@ -95,7 +95,7 @@ def test_features_keep_the_compute_dtype(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from selfdraft.training.batches import collate
-    from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, compute_features
+    from selfdraft.training.data.feature_cache import HiddenStateCache, cache_hidden_states, compute_features
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

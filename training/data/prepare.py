@@ -16,8 +16,8 @@ import datasets
 from selfdraft.errors import UserError
 from selfdraft.training import locks
 from selfdraft.training.config import RunConfig
-from selfdraft.training.dataset import build_dataset, rows_to_dataset, without_bars
-from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
+from selfdraft.training.data.dataset import build_dataset, rows_to_dataset, without_bars
+from selfdraft.training.data.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
 
 DATA_DIR = "data"
 SPLIT_FINGERPRINT = "splits.json"
