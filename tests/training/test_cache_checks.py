@@ -39,7 +39,7 @@ def _examples(path, stored=None):
 
 @pytest.mark.parametrize("partial", [False, True])
 def test_a_cache_of_another_split_is_refused_naming_what_differs(tmp_path, text_run, partial):
-    from selfdraft.scripts.prepare import prepare_from_config
+    from selfdraft.training.data.prepare import prepare_from_config
 
     first = _cached_run(text_run, tmp_path, "first", heldout_fraction=0.1)
     prepare_from_config(str(first))
@@ -97,7 +97,7 @@ def test_train_does_not_load_the_target_to_find_the_cache_complete(tmp_path, tex
     """The launcher prepares before torchrun starts: with the cache already complete for these splits
     it needs the tokenizer only; a cache still to fill does load the target."""
     import selfdraft.target
-    from selfdraft.scripts.prepare import prepare_from_config
+    from selfdraft.training.data.prepare import prepare_from_config
 
     path = _cached_run(text_run, tmp_path, "run")
     loads = []
