@@ -152,9 +152,11 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
 
     # the resumed run ends where an uninterrupted run ends
     straight = tmp_path / "straight"
+    resolved = prepare_from_config(config, {"output_dir": str(straight)})  # `selfdraft prepare --output-dir`
     ok = subprocess.run(
-        worker + ["--output-dir", str(straight)], env=_env(), capture_output=True, text=True, timeout=180
-    )
+        [PY, "-m", "selfdraft.training.train", "--config", str(resolved)],
+        env=_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
     assert ok.returncode == 0, ok.stderr[-2000:]
     digest = json.loads((run / "ranks" / "rank0.json").read_text())["params_sha256"]
     reference = json.loads((straight / "ranks" / "rank0.json").read_text())["params_sha256"]
