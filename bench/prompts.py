@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from selfdraft.corpora import humaneval_path, load_sharegpt
+from selfdraft.corpora.mtbench import mtbench_questions
+from selfdraft.corpora.sources import humaneval_path, load_sharegpt
+from selfdraft.corpora.splits import heldout_flags
 from selfdraft.errors import MissingFileError, UserError
-from selfdraft.mtbench import mtbench_questions
-from selfdraft.splits import heldout_flags
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.destinations import COMPARE_REPORT_NAMES, check_destination
-    from selfdraft.training.comparison import (
+    from selfdraft.training.release.comparison import (
         comparison_markdown,
         plot_comparison,
         plot_scaling,

@@ -123,11 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfdraft.corpora import load_source
+    from selfdraft.corpora.sources import load_source
     from selfdraft.destinations import check_destination
-    from selfdraft.training.distill import ROW_LOG, regenerate_assistant_turns
-    from selfdraft.training.rowlog import check_row_log
-    from selfdraft.training.synthesize import PROMPTS_LOG, prompts_path
+    from selfdraft.training.data.distill import ROW_LOG, regenerate_assistant_turns
+    from selfdraft.training.data.rowlog import check_row_log
+    from selfdraft.training.data.synthesize import PROMPTS_LOG, prompts_path
 
     _check_numbers(args)
     if not 0 <= args.heldout_fraction < 1:
@@ -185,7 +185,7 @@ def _load_generator(args: argparse.Namespace, device: str):
 
     from selfdraft.target import load_target, resolve_target_path
     from selfdraft.training.config import resolve_precision
-    from selfdraft.training.distill import load_vllm_target, resolve_generator
+    from selfdraft.training.data.distill import load_vllm_target, resolve_generator
 
     dtype = resolve_precision(args.precision, device)
     generator = resolve_generator(args.generator, args.target)
@@ -230,7 +230,7 @@ def user_turns(record: dict) -> int:
 
 
 def _synthesize(args: argparse.Namespace, model, tokenizer) -> int:
-    from selfdraft.training.synthesize import SynthesisConfig, prompts_path, synthesize
+    from selfdraft.training.data.synthesize import SynthesisConfig, prompts_path, synthesize
 
     config = SynthesisConfig(
         prompts=args.synthesize,

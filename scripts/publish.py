@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.training.config import load_run_config
-    from selfdraft.training.feature_cache import HiddenStateCache
-    from selfdraft.training.publish import publish, upload
+    from selfdraft.training.data.feature_cache import HiddenStateCache
+    from selfdraft.training.release.publish import publish, upload
 
     if args.tokens is not None and args.tokens < 1:
         raise UserError(f"--tokens {args.tokens}: pass the number of training tokens (>= 1), or leave it out")

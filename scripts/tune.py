@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.prompts import load_prompt_set
     from selfdraft.bench.tune import CANDIDATES, score_trees, score_trees_batched, tree_description
+    from selfdraft.corpora.mtbench import refuse_for_selection, refuse_mtbench_texts
     from selfdraft.inference.model import TREE_FILE, SelfDraftModel
-    from selfdraft.mtbench import refuse_for_selection, refuse_mtbench_texts
     from selfdraft.precision import dtype_name, machine_kind
     from selfdraft.tree_syntax import check_tree_destination, entry_key, resolve_tree, write_tree_file
 

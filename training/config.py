@@ -375,6 +375,16 @@ def check_paths(config: RunConfig, reads_cache: bool = True) -> None:
         raise MissingFileError("\n".join(problems) + (f" ({where})" if len(problems) == 1 else f"\n({where})"))
 
 
+def command_line_overrides(
+    output_dir: str | None = None, max_steps: int | None = None, precision: str | None = None
+) -> dict:
+    """The command line's flags (`--output-dir`, `--max-steps`, `--precision`; None: not given) as
+    the nested overrides `load_run_config` merges over the file."""
+    overrides: dict = {"output_dir": output_dir} if output_dir else {}
+    train = {k: v for k, v in (("max_steps", max_steps), ("precision", precision)) if v is not None}
+    return overrides | ({"train": train} if train else {})
+
+
 def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
     """Read a run config; `overrides` is a nested dict merged over the file (CLI flags). Relative
     paths are resolved as the module docstring says (`check_paths` checks them)."""

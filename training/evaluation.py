@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from selfdraft.training.batches import collate
 from selfdraft.training.config import RunConfig
-from selfdraft.training.feature_cache import HiddenStateCache, compute_features
+from selfdraft.training.data.feature_cache import HiddenStateCache, compute_features
+from selfdraft.training.data.prepare import heldout_cache_dir
 from selfdraft.training.output_head import output_head
-from selfdraft.training.prepare import heldout_cache_dir
 from selfdraft.training.simulate import simulated_tau
 from selfdraft.training.steps import StepOutput
 from selfdraft.training.strategies import EVAL_DEPTHS, Objective

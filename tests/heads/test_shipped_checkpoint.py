@@ -10,7 +10,7 @@ from selfdraft.heads.folder import read_heads_config
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.model import shipped_heads_dir
 from selfdraft.training.config import load_run_config
-from selfdraft.training.publish import CARD_LIMIT, FOLDER_FILES
+from selfdraft.training.release.publish import CARD_LIMIT, FOLDER_FILES
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle"
 PROMPTS = [

@@ -54,7 +54,7 @@ def test_a_bad_flag_is_one_line_before_any_work(tmp_path, capsys, flags, words, 
 
 
 def test_a_damaged_gzip_source_is_one_line(tmp_path, capsys):
-    from selfdraft.corpora import load_source
+    from selfdraft.corpora.sources import load_source
     from selfdraft.errors import UserError
 
     for path in _bad_files(tmp_path):
@@ -64,7 +64,7 @@ def test_a_damaged_gzip_source_is_one_line(tmp_path, capsys):
 
 
 def test_a_gzip_source_reads_like_the_plain_one(tmp_path):
-    from selfdraft.corpora import load_source
+    from selfdraft.corpora.sources import load_source
 
     text = '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "text": "plain"}\n'
     (tmp_path / "rows.jsonl").write_text(text)

@@ -95,7 +95,7 @@ def test_a_bad_release_input_is_one_line_and_writes_nothing(tmp_path, capsys, ma
 
 
 def test_publish_with_its_own_config_passes_the_check(tmp_path):
-    from selfdraft.training.publish import check_run
+    from selfdraft.training.release.publish import check_run
 
     run, config = _run(tmp_path)
     check_run(run, config, "--run")  # nothing raised
@@ -113,7 +113,7 @@ def test_export_for_another_target_is_refused(tmp_path):
 
 def test_push_to_offline_is_one_line_after_the_folder_is_written(tmp_path, monkeypatch):
     from selfdraft.errors import UserError
-    from selfdraft.training.publish import upload
+    from selfdraft.training.release.publish import upload
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = tmp_path / "heads"

@@ -668,9 +668,9 @@ def test_splitting_data_shows_only_its_render_and_rows_bars(tmp_path, capfd, cap
     import datasets
     from transformers import AutoTokenizer
 
-    from selfdraft.splits import is_heldout, opens_heldout
+    from selfdraft.corpora.splits import is_heldout, opens_heldout
     from selfdraft.target import resolve_target_path
-    from selfdraft.training.dataset import build_dataset, without_bars
+    from selfdraft.training.data.dataset import build_dataset, without_bars
 
     tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2-135m-instruct"))
     turns = [["q", "a"], ["more", "b"]]
@@ -689,7 +689,7 @@ def test_splitting_data_shows_only_its_render_and_rows_bars(tmp_path, capfd, cap
     assert opening
     datasets.enable_progress_bars()
     capfd.readouterr()
-    with caplog.at_level(logging.WARNING, logger="selfdraft.training.dataset"):
+    with caplog.at_level(logging.WARNING, logger="selfdraft.training.data.dataset"):
         train, held = build_dataset([records], tok, 64, 0, 0.2, tmp_path / "run", work_dir=tmp_path / "w")
         with without_bars():
             train.save_to_disk(str(tmp_path / "train"))

@@ -28,7 +28,7 @@ def _examples(path, stored=None):
     """What the worker trains on for the config at `path` (its splits built as the worker builds them)."""
     from selfdraft.target import load_target
     from selfdraft.training.config import load_run_config
-    from selfdraft.training.prepare import feature_layers, prepare_splits
+    from selfdraft.training.data.prepare import feature_layers, prepare_splits
     from selfdraft.training.train import training_examples
 
     config = load_run_config(path)
@@ -39,7 +39,7 @@ def _examples(path, stored=None):
 
 @pytest.mark.parametrize("partial", [False, True])
 def test_a_cache_of_another_split_is_refused_naming_what_differs(tmp_path, text_run, partial):
-    from selfdraft.scripts.prepare import prepare_from_config
+    from selfdraft.training.data.prepare import prepare_from_config
 
     first = _cached_run(text_run, tmp_path, "first", heldout_fraction=0.1)
     prepare_from_config(str(first))
@@ -61,8 +61,8 @@ def test_a_resumed_partial_cache_run_reads_the_shards_it_started_with(tmp_path, 
     order, so it reads the shards recorded in run.json, not the larger set now on disk."""
     from selfdraft.target import load_target
     from selfdraft.training.config import load_run_config
-    from selfdraft.training.feature_cache import cache_hidden_states
-    from selfdraft.training.prepare import feature_layers, prepare_splits, split_data
+    from selfdraft.training.data.feature_cache import cache_hidden_states
+    from selfdraft.training.data.prepare import feature_layers, prepare_splits, split_data
     from selfdraft.training.train import record_run
 
     path = _cached_run(text_run, tmp_path, "run", partial_cache=True)
@@ -97,7 +97,7 @@ def test_train_does_not_load_the_target_to_find_the_cache_complete(tmp_path, tex
     """The launcher prepares before torchrun starts: with the cache already complete for these splits
     it needs the tokenizer only; a cache still to fill does load the target."""
     import selfdraft.target
-    from selfdraft.scripts.prepare import prepare_from_config
+    from selfdraft.training.data.prepare import prepare_from_config
 
     path = _cached_run(text_run, tmp_path, "run")
     loads = []

@@ -14,7 +14,7 @@ from selfdraft.training.config import RunConfig, load_run_config
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "configs" / "train"
 CONFIGS = sorted(TRAIN.rglob("*.yaml"))
-BUILTIN_SOURCES = ("sharegpt", "python-stdlib")  # `selfdraft.corpora.load_source`: NAME[:N]
+BUILTIN_SOURCES = ("sharegpt", "python-stdlib")  # `selfdraft.corpora.sources.load_source`: NAME[:N]
 
 
 def missing_files(config: RunConfig) -> list[str]:

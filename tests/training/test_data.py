@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from selfdraft import corpora as sources
-from selfdraft.corpora import (
+from selfdraft.corpora import sources
+from selfdraft.corpora.sources import (
     iter_json_array,
     load_python_source,
     load_sharegpt,
@@ -22,13 +22,13 @@ from selfdraft.corpora import (
     sharegpt_path,
     sharegpt_to_messages,
 )
+from selfdraft.corpora.splits import first_exchange, is_heldout, opens_heldout
 from selfdraft.errors import UserError
-from selfdraft.splits import first_exchange, is_heldout, opens_heldout
-from selfdraft.training import dataset
-from selfdraft.training import rendering as data
-from selfdraft.training.dataset import HELDOUT_FILE, build_dataset
-from selfdraft.training.distill import regenerate_assistant_turns, stop_ids
-from selfdraft.training.rendering import render_chat
+from selfdraft.training.data import dataset
+from selfdraft.training.data import rendering as data
+from selfdraft.training.data.dataset import HELDOUT_FILE, build_dataset
+from selfdraft.training.data.distill import regenerate_assistant_turns, stop_ids
+from selfdraft.training.data.rendering import render_chat
 
 RECORD_START = '\n  {\n    "id": '  # how the shipped file (json.dumps indent=2) starts each record
 
@@ -473,7 +473,7 @@ def test_sampled_self_distillation_is_the_targets_sampling_and_reproducible(tok,
     its record and turn: the same for any batch size (so a resumed build draws what it would have),
     different from the greedy answers and from another base seed's."""
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.training.distill import answer_seed
+    from selfdraft.training.data.distill import answer_seed
 
     model = _tiny_chat_model(len(tok))
     drafter = SelfDraftModel.with_heads(model, tok, heads=None, tree="chain-2", draft_dtype=torch.float32)

@@ -21,7 +21,7 @@ TARGET = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def served():
-    from selfdraft.training.distill import load_vllm_target
+    from selfdraft.training.data.distill import load_vllm_target
 
     return load_vllm_target(TARGET, torch.float32)
 
@@ -35,7 +35,7 @@ def test_greedy_answers_equal_the_targets_own_up_to_near_ties(served, smollm):
     from selfdraft.bench.divergence import first_divergence
     from selfdraft.bench.prompts import load_prompt_set
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.training.distill import stop_ids, target_answers, vllm_answers
+    from selfdraft.training.data.distill import stop_ids, target_answers, vllm_answers
 
     target, tokenizer = smollm
     base = SelfDraftModel.with_heads(target, tokenizer, None)

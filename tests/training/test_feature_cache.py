@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from selfdraft.training.feature_cache import (
+from selfdraft.training.data.feature_cache import (
     HiddenStateCache,
     cache_hidden_states,
     compute_features,
@@ -117,7 +117,7 @@ def test_layer_indices_are_checked(model):
 
 
 def test_dataset_fingerprint_reads_rows_in_dataset_order(dataset):
-    from selfdraft.training.feature_cache import _lengths_and_fingerprint
+    from selfdraft.training.data.feature_cache import _lengths_and_fingerprint
 
     as_list = [dict(row) for row in dataset]
     assert _lengths_and_fingerprint(dataset) == _lengths_and_fingerprint(as_list)

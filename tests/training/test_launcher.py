@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains `text` (this test's unique run folder)."""
+    """Pids whose command line contains `text` (this test's unique tmp folder: it holds the recipe the
+    launcher reads and the run folder whose resolved.yaml torchrun and the workers read)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -55,13 +56,13 @@ def test_killing_the_launcher_stops_torchrun_and_workers(tmp_path, text_run):
         while time.time() < deadline and not (log.is_file() and '"step"' in log.read_text()):
             time.sleep(0.5)
         assert log.is_file(), "training never started"
-        workers = [p for p in processes_mentioning(str(path)) if p != launcher.pid]
+        workers = [p for p in processes_mentioning(str(tmp_path)) if p != launcher.pid]
         assert workers, "no torchrun / worker process found"
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        assert survivors(str(path)) == []
+        assert survivors(str(tmp_path)) == []
     finally:
-        for pid in processes_mentioning(str(path)):
+        for pid in processes_mentioning(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -96,7 +97,7 @@ def _two_ranks_past_a_checkpoint(tmp_path, text_run, **popen) -> tuple[Path, sub
     while time.time() < deadline and not latest.is_file() and launcher.poll() is None:
         time.sleep(0.5)
     if not latest.is_file():
-        for pid in processes_mentioning(str(path)):
+        for pid in processes_mentioning(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
         pytest.fail("no checkpoint was written")
     return path, launcher
@@ -109,12 +110,12 @@ def test_a_killed_rank_ends_in_one_line_with_the_resume_command(tmp_path, text_r
     line names the rank, the signal, the last checkpoint and the exact command to continue."""
     path, launcher = _two_ranks_past_a_checkpoint(tmp_path, text_run)
     try:
-        victims = _rank_pids(str(path), "1")
+        victims = _rank_pids(str(tmp_path), "1")
         assert victims, "rank 1 not found"
         os.kill(victims[0], signal.SIGKILL)
         _, err = launcher.communicate(timeout=120)
     finally:
-        for pid in processes_mentioning(str(path)):
+        for pid in processes_mentioning(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
     assert launcher.returncode != 0
     assert "Traceback" not in err and "ChildFailedError" not in err and "Connection reset" not in err
@@ -138,13 +139,14 @@ def test_ctrl_c_ends_in_one_line_with_the_resume_command(tmp_path, text_run):
     try:
         # the terminal's SIGINT must reach torchrun only through the launcher: once, not twice (the
         # second cut torchrun's shutdown of its workers short with a traceback)
-        torchrun = [p for p in processes_mentioning("torch.distributed.run") if p in processes_mentioning(str(path))]
+        ours = processes_mentioning(str(tmp_path))
+        torchrun = [p for p in processes_mentioning("torch.distributed.run") if p in ours]
         assert torchrun and all(os.getsid(p) != os.getsid(launcher.pid) for p in torchrun)
         os.killpg(launcher.pid, signal.SIGINT)
         _, err = launcher.communicate(timeout=120)
-        assert survivors(str(path)) == []
+        assert survivors(str(tmp_path)) == []
     finally:
-        for pid in processes_mentioning(str(path)):
+        for pid in processes_mentioning(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 130, err[-3000:]
     for noise in ("Traceback", "SignalException", "KeyboardInterrupt", "ChildFailedError"):

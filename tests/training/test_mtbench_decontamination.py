@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from selfdraft.corpora import load_source
-from selfdraft.mtbench import mtbench_matches, mtbench_questions
+from selfdraft.corpora.mtbench import mtbench_matches, mtbench_questions
+from selfdraft.corpora.sources import load_source
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTILL_DEFAULT_SOURCE = "sharegpt"  # `selfdraft distill --source` reads ShareGPT (a prefix of it)

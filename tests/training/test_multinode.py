@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from selfdraft.errors import UserError
+from selfdraft.training.data.prepare import prepare_from_config
 from selfdraft.training.distributed import rank_env, slurm_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +106,9 @@ def _assert_one_two_rank_run(run: Path) -> None:
 
 
 def _tiny_two_step_run(text_run) -> Path:
-    return text_run(train={"max_steps": 2}, schedule={"save_every": 2, "eval_every": 2, "eval_examples": 4})
+    """A two-step run prepared as `selfdraft prepare` does; its resolved config (what workers read)."""
+    config = text_run(train={"max_steps": 2}, schedule={"save_every": 2, "eval_every": 2, "eval_examples": 4})
+    return prepare_from_config(config)
 
 
 @pytest.mark.slow

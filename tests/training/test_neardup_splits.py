@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from selfdraft.neardup import groups, jaccard, near_duplicates_of, shingles
-from selfdraft.splits import heldout_flags, is_heldout, prompt_of
-from selfdraft.training.dataset import build_dataset
+from selfdraft.corpora.neardup import groups, jaccard, near_duplicates_of, shingles
+from selfdraft.corpora.splits import heldout_flags, is_heldout, prompt_of
+from selfdraft.training.data.dataset import build_dataset
 
 WORDS = [
     *("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"),
@@ -96,8 +96,8 @@ def test_sharegpt_bench_prompts_have_no_near_duplicate_in_training():
     """The bench's held-out ShareGPT prompts against every trained ShareGPT prompt (checked with the
     query path of `neardup`, not the grouping that built the split)."""
     from selfdraft.bench.prompts import sharegpt_heldout
-    from selfdraft.corpora import load_sharegpt
-    from selfdraft.splits import opens_heldout
+    from selfdraft.corpora.sources import load_sharegpt
+    from selfdraft.corpora.splits import opens_heldout
 
     f = 0.02
     records = load_sharegpt()

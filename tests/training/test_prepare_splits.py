@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from selfdraft.errors import UserError
-from selfdraft.training import prepare
 from selfdraft.training.config import ConfigError, RunConfig, load_run_config
-from selfdraft.training.dataset import rows_within
+from selfdraft.training.data import prepare
+from selfdraft.training.data.dataset import rows_within
 from selfdraft.typed_config import build_dataclass
 
 

@@ -46,7 +46,7 @@ def test_cpu_and_gpu_recipes_share_heads_data_and_split(no_target):
 def test_distill_generator_auto_speculates_only_with_shipped_heads():
     """The recipe's data build: `selfdraft distill` on a target without shipped heads (Qwen) uses the
     target's own generate by default, the shipped SmolLM2 heads where they exist."""
-    from selfdraft.training.distill import resolve_generator
+    from selfdraft.training.data.distill import resolve_generator
 
     assert resolve_generator("auto", "qwen2.5-coder-0.5b-instruct") == "target"
     assert resolve_generator("auto", "SmolLM2-135M-Instruct") == "selfdraft"

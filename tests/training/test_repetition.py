@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from selfdraft.errors import UserError
-from selfdraft.training import prepare
 from selfdraft.training.config import ConfigError, load_run_config
-from selfdraft.training.repetition import cut_record_repeats, cut_repeats
+from selfdraft.training.data import prepare
+from selfdraft.training.data.repetition import cut_record_repeats, cut_repeats
 
 LOOP = "Dharma is the one who is not bound by the limits. "
 

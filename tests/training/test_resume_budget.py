@@ -16,13 +16,20 @@ import torch
 
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.config import RunConfig
+from selfdraft.training.data.prepare import prepare_from_config
 
 
-def _worker(config: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _worker(config: Path, *extra: str, **train) -> subprocess.CompletedProcess:
+    """Prepare the run (`train`: overrides of the train section, as `selfdraft train --max-steps`
+    gives them), then run the worker on its resolved config."""
+    resolved = prepare_from_config(config, {"train": train} if train else None)
     return subprocess.run(
-        [sys.executable, "-m", "selfdraft.training.train", "--config", str(config), *extra],
-        env=env,
+        [sys.executable, "-m", "selfdraft.training.train", "--config", str(resolved), *extra],
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -107,7 +114,7 @@ def test_a_run_killed_inside_a_save_resumes_from_the_last_whole_one_and_extends(
     assert refused.returncode == 2 and "train.lr: 0.001 -> 0.002" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    resumed = _worker(config, "--resume", "--max-steps", "12")
+    resumed = _worker(config, "--resume", max_steps=12)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = _log(run)[len(log) :]
     assert after[0]["event"] == "resume" and after[0]["step"] == 4 and after[0]["total_steps"] == 12
@@ -129,12 +136,16 @@ def test_a_resume_no_longer_needs_the_heads_the_run_started_from(tmp_path, text_
     continued = _worker(config)
     assert continued.returncode == 0, continued.stderr[-3000:]
     shutil.rmtree(init)
-    resumed = _worker(config, "--resume", "--max-steps", "6")
+    resumed = _worker(config, "--resume", max_steps=6)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = _log(tmp_path / "run")
     start = next(i for i, r in enumerate(log) if r.get("event") == "resume")
     assert log[start]["step"] == 4
     assert [r["step"] for r in log[start:] if "loss" in r] == [5, 6]
     # a fresh run with the folder missing is still told so, before any work
-    fresh = _worker(config, "--output-dir", str(tmp_path / "other"))
+    fresh = subprocess.run(
+        [sys.executable, "-m", "selfdraft.scripts.cli", "prepare", "--config", str(config),
+         "--output-dir", str(tmp_path / "other")],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert fresh.returncode == 2 and f"heads.init_from: {init} is not a heads folder" in fresh.stderr

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from selfdraft.errors import UserError
-from selfdraft.training.rowlog import append_rows, check_row_log, read_rows
+from selfdraft.training.data.rowlog import append_rows, check_row_log, read_rows
 
 
 def _rows(*ids: str) -> list[dict]:

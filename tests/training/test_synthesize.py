@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from selfdraft.mtbench import mtbench_questions
-from selfdraft.training import synthesize as synth
-from selfdraft.training.rowlog import append_rows, read_rows
-from selfdraft.training.synthesize import Deduper, SynthesisConfig, pre_query_ids, rejection, synthesize
+from selfdraft.corpora.mtbench import mtbench_questions
+from selfdraft.training.data import synthesize as synth
+from selfdraft.training.data.rowlog import append_rows, read_rows
+from selfdraft.training.data.synthesize import Deduper, SynthesisConfig, pre_query_ids, rejection, synthesize
 
 
 def test_rejection_filters():

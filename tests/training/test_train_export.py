@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from selfdraft.training.config import ConfigError, load_run_config
+from selfdraft.training.data.prepare import prepare_from_config
 
 from tiny_models import COMMON, greedy_reference
 
@@ -180,7 +181,7 @@ def test_trained_eagle3_heads_export_and_load_back(tmp_path, deep_target_dir):
 
     config = _write(tmp_path, deep_target_dir, heads={"draft_vocab_size": 512})
     proc = subprocess.run(
-        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
+        [PY, "-m", "selfdraft.training.train", "--config", str(prepare_from_config(config))],
         capture_output=True,
         text=True,
         env=_env(),

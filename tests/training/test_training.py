@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from selfdraft.training.config import ConfigError, load_run_config
+from selfdraft.training.data.prepare import prepare_from_config
 
 from tiny_models import greedy_reference
 
@@ -54,9 +55,10 @@ def _env():
 
 
 def train_in_one_process(config: Path) -> Path:
-    """Run the worker as one plain process (no launcher); its run folder."""
+    """Prepare the run (`selfdraft prepare`), then run the worker on its resolved config as one plain
+    process (no launcher); its run folder."""
     proc = subprocess.run(
-        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
+        [PY, "-m", "selfdraft.training.train", "--config", str(prepare_from_config(config))],
         env=_env(),
         capture_output=True,
         text=True,
@@ -106,7 +108,7 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
     cfg["train"]["length_grouping"] = 2  # the resumed run must replay the grouped order too
     config.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"
-    worker = [PY, "-m", "selfdraft.training.train", "--config", str(config)]
+    worker = [PY, "-m", "selfdraft.training.train", "--config", str(prepare_from_config(config))]
     proc = subprocess.Popen(
         worker, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -128,7 +130,7 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
     changed = tmp_path / "changed.yaml"
     changed.write_text(config.read_text().replace("lr: 0.01", "lr: 0.02"))
     bad = subprocess.run(
-        [PY, "-m", "selfdraft.training.train", "--config", str(changed), "--resume"],
+        [PY, "-m", "selfdraft.training.train", "--config", str(prepare_from_config(changed)), "--resume"],
         env=_env(),
         capture_output=True,
         text=True,
@@ -136,6 +138,7 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
     )
     assert bad.returncode != 0 and "different config" in bad.stderr
 
+    prepare_from_config(config)  # the run's own config again (`changed` rewrote resolved.yaml)
     resumed = subprocess.run(worker + ["--resume"], env=_env(), capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = read_log(run)
@@ -149,9 +152,11 @@ def test_kill_and_resume(tmp_path, tiny_target_dir):
 
     # the resumed run ends where an uninterrupted run ends
     straight = tmp_path / "straight"
+    resolved = prepare_from_config(config, {"output_dir": str(straight)})  # `selfdraft prepare --output-dir`
     ok = subprocess.run(
-        worker + ["--output-dir", str(straight)], env=_env(), capture_output=True, text=True, timeout=180
-    )
+        [PY, "-m", "selfdraft.training.train", "--config", str(resolved)],
+        env=_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
     assert ok.returncode == 0, ok.stderr[-2000:]
     digest = json.loads((run / "ranks" / "rank0.json").read_text())["params_sha256"]
     reference = json.loads((straight / "ranks" / "rank0.json").read_text())["params_sha256"]
@@ -212,7 +217,8 @@ def test_a_finished_worker_destroys_its_process_group(tmp_path, tiny_target_dir)
         "code = main(['--config', sys.argv[1]])\n"
         "print('AFTER', code, dist.is_initialized())\n"
     )
-    proc = subprocess.run([PY, "-c", probe, str(config)], env=_env(), capture_output=True, text=True, timeout=180)
+    resolved = prepare_from_config(config)
+    proc = subprocess.run([PY, "-c", probe, str(resolved)], env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "AFTER 0 False" in proc.stdout, proc.stdout[-500:]
 
@@ -295,7 +301,7 @@ def test_time_budget_ends_the_cosine_and_stops_where_it_saves(tmp_path, tiny_tar
     assert {"loss", "eval_loss"} <= {k for r in last for k in r}
     assert any(r.get("event") == "checkpoint" for r in last) and (run / "heads").is_dir()
 
-    worker = [PY, "-m", "selfdraft.training.train", "--config", str(config), "--resume"]
+    worker = [PY, "-m", "selfdraft.training.train", "--config", str(prepare_from_config(config)), "--resume"]
     again = subprocess.run(worker, env=_env(), capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = read_log(run)[len(log) :]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from selfdraft.training import checkpoint as ckpt
+from selfdraft.training.data.prepare import prepare_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +98,7 @@ def test_two_rank_zero3_run_is_killed_and_resumes(tmp_path, text_run):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "selfdraft.training.train", "--config", str(path)]  # fmt: skip
+           "-m", "selfdraft.training.train", "--config", str(prepare_from_config(path))]  # fmt: skip
 
     def log() -> list[dict]:
         file = run / "log.jsonl"

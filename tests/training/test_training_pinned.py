@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from selfdraft.training.data.prepare import prepare_from_config
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
@@ -161,7 +163,7 @@ def pinned_run(tmp_path: Path, target: Path, kind: str, init_from: Path | None =
     config = _config(tmp_path, target, kind, init_from)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, "-m", "selfdraft.training.train", "--config", str(config)],
+        [sys.executable, "-m", "selfdraft.training.train", "--config", str(prepare_from_config(config))],
         env=env,
         capture_output=True,
         text=True,

@@ -21,7 +21,14 @@ import yaml
 from safetensors.torch import load_file
 
 from selfdraft.training import config as run_config
-from selfdraft.training.config import ConfigError, RunConfig, load_run_config, resolve_precision
+from selfdraft.training.config import (
+    ConfigError,
+    RunConfig,
+    command_line_overrides,
+    load_run_config,
+    resolve_precision,
+)
+from selfdraft.training.data.prepare import prepare_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -95,7 +102,7 @@ def test_features_keep_the_compute_dtype(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from selfdraft.training.batches import collate
-    from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, compute_features
+    from selfdraft.training.data.feature_cache import HiddenStateCache, cache_hidden_states, compute_features
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -161,9 +168,11 @@ def _write_config(tmp_path: Path, name: str, target: Path, stage: int, data: dic
     return path
 
 
-def _torchrun(config: Path, *flags: str, nproc: int = 2, timeout: int = 180) -> None:
+def _torchrun(config: Path, precision: str | None = None, nproc: int = 2, timeout: int = 180) -> None:
+    """Prepare the run (with `selfdraft prepare --precision`'s override), then torchrun the worker."""
+    resolved = prepare_from_config(config, command_line_overrides(precision=precision))
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += ["-m", "selfdraft.training.train", "--config", str(config), *flags]
+    cmd += ["-m", "selfdraft.training.train", "--config", str(resolved)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -216,8 +225,8 @@ def test_accumulation_matches_a_larger_micro_batch(tmp_path, tiny_target_dir, st
                                 micro_batch_size=1, gradient_accumulation_steps=2, **common)  # fmt: skip
     single = _write_config(tmp_path, "one", tiny_target_dir, stage, data,
                            micro_batch_size=2, gradient_accumulation_steps=1, **common)  # fmt: skip
-    _torchrun(accumulated, "--precision", precision)  # the flag overrides train.precision (auto)
-    _torchrun(single, "--precision", precision)
+    _torchrun(accumulated, precision)  # the flag overrides train.precision (auto)
+    _torchrun(single, precision)
     lengths = {len(r["input_ids"]) for r in datasets.load_from_disk(str(tmp_path / "acc/data/train"))}
     assert lengths == {24}  # equal loss counts per micro-batch (see _equal_length_texts)
     a = load_file(str(tmp_path / "acc" / "heads" / "model.safetensors"))
@@ -289,7 +298,8 @@ def test_bf16_two_rank_zero3_run_evaluates_saves_and_loads(tmp_path, tiny_target
 
 @pytest.mark.slow
 def test_bf16_single_rank_run_trains_and_evaluates_on_cached_features(tmp_path, tiny_target_dir):
-    """One process fills the feature cache (training and held-out splits) and trains on it in bf16."""
+    """`selfdraft prepare` fills the feature cache (training and held-out splits) in bf16; one process
+    trains on it."""
     data = {
         "sources": ["sharegpt"], "limit_records": 30, "max_length": 64, "heldout_fraction": 0.1,
         "feature_cache": str(tmp_path / "features"),
@@ -297,7 +307,7 @@ def test_bf16_single_rank_run_trains_and_evaluates_on_cached_features(tmp_path, 
     config = _write_config(tmp_path, "run", tiny_target_dir, 1, data,
                            max_steps=3, micro_batch_size=2, precision="bf16")  # fmt: skip
     proc = subprocess.run(
-        [PY, "-m", "selfdraft.training.train", "--config", str(config)],
+        [PY, "-m", "selfdraft.training.train", "--config", str(prepare_from_config(config))],
         capture_output=True, text=True, env=_env(), timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""The training and held-out datasets of a run: sources rendered, split by `selfdraft.splits`, and the
+"""The training and held-out datasets of a run: sources rendered, split by `selfdraft.corpora.splits`, and the
 held-out ids written next to the run. Rows: {"id": str, "input_ids": list[int], "loss_mask": list[int]}.
 
 Rendering runs as `datasets.map` over an Arrow table of the records, in `num_proc` processes, so the
@@ -18,12 +18,12 @@ from pathlib import Path
 import datasets
 import pyarrow.compute as pc
 
-from selfdraft.corpora import load_source
+from selfdraft.corpora.sources import load_source
+from selfdraft.corpora.splits import heldout_flags, opens_heldout, split_key
 from selfdraft.errors import UserError
 from selfdraft.interrupts import quiet_in_workers
-from selfdraft.splits import heldout_flags, opens_heldout, split_key
-from selfdraft.training.rendering import render_records
-from selfdraft.training.repetition import cut_record_repeats
+from selfdraft.training.data.rendering import render_records
+from selfdraft.training.data.repetition import cut_record_repeats
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from selfdraft.bench.vllm_engine import VllmEngine, require_vllm
+from selfdraft.corpora.splits import is_heldout
 from selfdraft.inference.model import SelfDraftModel, shipped_heads_dir
 from selfdraft.precision import dtype_name
-from selfdraft.splits import is_heldout
 from selfdraft.target import resolve_target_path
-from selfdraft.training.rendering import chat_text
-from selfdraft.training.rowlog import append_rows, read_rows
+from selfdraft.training.data.rendering import chat_text
+from selfdraft.training.data.rowlog import append_rows, read_rows
 
 ROW_LOG = "distill row log"
 

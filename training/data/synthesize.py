@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from selfdraft.corpora.mtbench import mtbench_texts
+from selfdraft.corpora.neardup import BANDS, NUM_PERM, THRESHOLD, jaccard, normalize, shingles, signature
 from selfdraft.errors import UserError
-from selfdraft.mtbench import mtbench_texts
-from selfdraft.neardup import BANDS, NUM_PERM, THRESHOLD, jaccard, normalize, shingles, signature
-from selfdraft.training.distill import answer_fn, answer_seed, regenerate_assistant_turns, stop_ids
-from selfdraft.training.rowlog import append_rows, read_rows
+from selfdraft.training.data.distill import answer_fn, answer_seed, regenerate_assistant_turns, stop_ids
+from selfdraft.training.data.rowlog import append_rows, read_rows
 
 _SENTINEL = "\u2063SELFDRAFT-USER-TURN\u2063"  # invisible separator: no template escapes or trims it
 # the first word of a request that has no question mark ("Write ...", "Explain ...", "I need ...")

@@ -19,8 +19,8 @@ import pyarrow.compute as pc
 
 from selfdraft.errors import UserError
 from selfdraft.training.config import load_run_config
-from selfdraft.training.prepare import DATA_DIR
-from selfdraft.training.publish import run_summary
+from selfdraft.training.data.prepare import DATA_DIR
+from selfdraft.training.release.publish import run_summary
 
 
 @dataclass(frozen=True)

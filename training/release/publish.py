@@ -20,11 +20,11 @@ import yaml
 
 from selfdraft.bench.divergence import NEAR_TIE_NOTE
 from selfdraft.bench.report import dtypes_lines, identical_cell, trees_lines
+from selfdraft.corpora.mtbench import refuse_for_selection
 from selfdraft.destinations import check_destination, staged_folder
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
 from selfdraft.inference.model import shipped_heads_path
-from selfdraft.mtbench import refuse_for_selection
 from selfdraft.target import EMBEDDED
 from selfdraft.training.checkpoint import RUN_FILE, changed_settings
 from selfdraft.tree_syntax import check_tree_file

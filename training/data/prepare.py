@@ -16,8 +16,8 @@ import datasets
 from selfdraft.errors import UserError
 from selfdraft.training import locks
 from selfdraft.training.config import RunConfig
-from selfdraft.training.dataset import build_dataset, rows_to_dataset, without_bars
-from selfdraft.training.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
+from selfdraft.training.data.dataset import build_dataset, rows_to_dataset, without_bars
+from selfdraft.training.data.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
 
 DATA_DIR = "data"
 SPLIT_FINGERPRINT = "splits.json"
@@ -70,15 +70,7 @@ def prepare_splits(
     # one builder at a time per run folder: a second waits, then reuses what the first built
     with locks.held(Path(config.output_dir) / (DATA_DIR + ".lock"), wait=True, what=str(root)):
         if (root / SPLIT_FINGERPRINT).is_file():
-            found = json.loads((root / SPLIT_FINGERPRINT).read_text())
-            if found != fingerprint:
-                changed = sorted(
-                    k for k in found.keys() | fingerprint.keys() if found.get(k) != fingerprint.get(k)
-                )
-                raise UserError(
-                    f"{root} was built from another data config ({', '.join(changed)} changed); "
-                    "use a new output_dir, or delete that folder to rebuild the splits"
-                )
+            _check_fingerprint(root, fingerprint)
             return _load_split(root / "train"), _load_split(root / "heldout")
         if root.exists():  # debris of a build killed mid-way, or of a version without a fingerprint
             shutil.rmtree(root)
@@ -108,6 +100,30 @@ def prepare_splits(
         shutil.rmtree(tmp / "work")
         (tmp / SPLIT_FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
         tmp.rename(root)  # atomic: data/ exists only complete
+    return _load_split(root / "train"), _load_split(root / "heldout")
+
+
+def _check_fingerprint(root: Path, fingerprint: dict) -> None:
+    """Refuse splits under `root` built from another data config, naming the keys that changed."""
+    found = json.loads((root / SPLIT_FINGERPRINT).read_text())
+    if found != fingerprint:
+        changed = sorted(k for k in found.keys() | fingerprint.keys() if found.get(k) != fingerprint.get(k))
+        raise UserError(
+            f"{root} was built from another data config ({', '.join(changed)} changed); "
+            "use a new output_dir, or delete that folder to rebuild the splits"
+        )
+
+
+def load_prepared_splits(config: RunConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The (train, heldout) splits `prepare_splits` built for this run, read as they are: a training
+    worker never builds them (the launcher prepared them once, before the workers started)."""
+    root = Path(config.output_dir) / DATA_DIR
+    if not (root / SPLIT_FINGERPRINT).is_file():
+        raise UserError(
+            f"{root} holds no prepared data splits; run `selfdraft prepare --config CONFIG` first, or "
+            "launch with `selfdraft train`, which prepares them"
+        )
+    _check_fingerprint(root, _split_fingerprint(config, tokenizer))
     return _load_split(root / "train"), _load_split(root / "heldout")
 
 
@@ -207,3 +223,54 @@ def prepare_features(
             data=data,
         )
     return out
+
+
+def prepare_run(
+    config: RunConfig,
+    source: str | Path,
+    batch_size: int = 8,
+    fill_cache: bool = True,
+    device: str = "cpu",
+    num_proc: int | None = None,
+) -> Path:
+    """Everything a run's workers read, once: the data splits, the resolved config (from the recipe
+    `source`, OUTPUT_DIR/resolved.yaml) and the feature cache of both splits (unless `fill_cache` is
+    False, e.g. a partial-cache run). The target runs on `device` in the run's train.precision (auto:
+    bf16 on bf16 GPUs and on CPUs that multiply bf16 natively), in batches of `batch_size`. Returns the
+    resolved config's path."""
+    from transformers import AutoTokenizer
+
+    from selfdraft.target import load_target, resolve_target_path
+    from selfdraft.training.config import check_paths, resolve_precision
+    from selfdraft.training.resolved import write_resolved
+
+    check_paths(config, reads_cache=False)
+    # the splits need the tokenizer only; the target loads only if it has features to compute
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_folder(resolve_target_path(config.target)))
+    train, heldout = prepare_splits(config, tokenizer, num_proc)
+    resolved = write_resolved(config, source)
+    if not (fill_cache and config.data.feature_cache) or features_ready(config, train, heldout):
+        return resolved
+    dtype = resolve_precision(config.train.precision, device)
+    target, _ = load_target(config.target, dtype=dtype, device=device)
+    prepare_features(config, target, train, batch_size=batch_size, heldout=heldout)  # resumable
+    return resolved
+
+
+def prepare_from_config(config_path: str | Path, overrides: dict | None = None, **options) -> Path:
+    """`selfdraft prepare`: the recipe read (the one parse of this run's YAML, with the command
+    line's `overrides`), then `prepare_run` with `options`. Returns the resolved config's path."""
+    from selfdraft.training.config import load_run_config
+
+    return prepare_run(load_run_config(config_path, overrides), config_path, **options)
+
+
+def _tokenizer_folder(path: str) -> str:
+    """Where the target's tokenizer is: its folder, or a PEFT adapter's base model when the adapter
+    has none (as `load_target` reads it)."""
+    from selfdraft.target import resolve_target_path
+
+    adapter = Path(path) / "adapter_config.json"
+    if adapter.is_file() and not (Path(path) / "tokenizer_config.json").is_file():
+        return resolve_target_path(json.loads(adapter.read_text())["base_model_name_or_path"])
+    return path

@@ -6,7 +6,7 @@ share of an evaluation sample's tokens inside it is the most a head of that voca
 draft correctly. Measured out of sample (fit and evaluation records split by content hash), since
 in-sample coverage flatters large k, whose rarest tokens are fitted to the sample itself.
 
-    python -m selfdraft.training.vocab_coverage --target qwen2.5-coder-0.5b-instruct
+    python -m selfdraft.training.data.vocab_coverage --target qwen2.5-coder-0.5b-instruct
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from selfdraft.splits import is_heldout
+from selfdraft.corpora.splits import is_heldout
 
 
 def top_k_coverage(fit_counts: torch.Tensor, eval_counts: torch.Tensor, sizes: Sequence[int]) -> dict[int, float]:
@@ -64,7 +64,7 @@ def spread(items: Sequence, limit: int) -> list:
 def main(argv: Sequence[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    from selfdraft.corpora import load_python_source, load_sharegpt
+    from selfdraft.corpora.sources import load_python_source, load_sharegpt
     from selfdraft.target import resolve_target_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

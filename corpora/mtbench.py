@@ -61,7 +61,7 @@ def mtbench_texts() -> list[str]:
 def mtbench_matches(texts: list[str]) -> list[int]:
     """Indices of `texts` that contain an MT-bench turn verbatim (case and spacing aside) or
     near-duplicate one (`neardup.THRESHOLD`)."""
-    from selfdraft.neardup import near_duplicates_of, normalize
+    from selfdraft.corpora.neardup import near_duplicates_of, normalize
 
     questions = mtbench_texts()
     needles = [" ".join(normalize(q)) for q in questions]

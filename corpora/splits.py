@@ -6,7 +6,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 
-from selfdraft.neardup import groups
+from selfdraft.corpora.neardup import groups
 
 
 def split_key(record: dict) -> str:
