@@ -26,7 +26,7 @@ import torch
 
 from selfdraft.bench.prompts import load_prompt_set
 from selfdraft.bench.vllm_engine import VllmEngine, require_vllm
-from selfdraft.heads.foreign.export import export_heads
+from selfdraft.heads.eagle3.export import export_heads
 from selfdraft.inference.model import SelfDraftModel
 from selfdraft.precision import parse_dtype
 from selfdraft.target import load_target, resolve_target_path

@@ -29,7 +29,7 @@ from selfdraft.bench.report import PHASES, summarize, summarize_batches
 from selfdraft.bench.timing import Timed, run_baseline, run_baseline_batch, run_speculative, verify_cost_curve
 from selfdraft.bench.vllm_engine import VllmEngine, engine_draft_dir, parse_vllm_method, require_vllm
 from selfdraft.errors import UserError
-from selfdraft.inference.drafting import heads_precision
+from selfdraft.heads.int8 import heads_precision
 from selfdraft.inference.model import SHIPPED, SelfDraftModel, shipped_heads_dir
 from selfdraft.precision import AUTO, DTYPES, INT8, dtype_name, parse_dtype
 from selfdraft.target import load_target, resolve_target_path

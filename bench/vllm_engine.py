@@ -190,8 +190,8 @@ def parse_vllm_method(rest: str) -> tuple[str | None, int]:
 def engine_draft_dir(heads: str | Path, target: str, out_dir: str | Path) -> Path:
     """A folder vLLM loads as the EAGLE-3 draft: `heads` itself when it is one (a speculators config),
     else `heads` (selfdraft EAGLE-3-layout heads) exported into `out_dir`."""
+    from selfdraft.heads.eagle3.export import export_heads
     from selfdraft.heads.folder import CONFIG_NAME
-    from selfdraft.heads.foreign.export import export_heads
 
     config = Path(heads) / CONFIG_NAME
     if config.is_file() and "speculators_model_type" in config.read_text():

@@ -1,18 +1,18 @@
-"""Trainable draft heads: config, Medusa heads, EAGLE head, save/load."""
+"""Trainable draft heads, one package per kind (medusa/, eagle/, eagle3/), behind one registry."""
 
 from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.eagle import EagleHead
-from selfdraft.heads.folder import HeadsMismatchError, build_heads, check_compatible, save_heads
+from selfdraft.heads.folder import HeadsMismatchError, check_compatible, save_heads
 from selfdraft.heads.load import load_heads
-from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.registry import DraftHeads, Heads, build_heads, head_type
 
 __all__ = [
-    "EagleHead",
+    "DraftHeads",
+    "Heads",
     "HeadsConfig",
     "HeadsMismatchError",
-    "MedusaHeads",
     "build_heads",
     "check_compatible",
+    "head_type",
     "load_heads",
     "save_heads",
 ]

@@ -8,27 +8,31 @@ from transformers import AutoConfig, PretrainedConfig
 
 from selfdraft.errors import UserError
 
-HEAD_KINDS = ("medusa", "eagle")
-# "selfdraft": our EAGLE head (a 1-layer body of the target's own class); "eagle1" / "eagle3": the
-# published EAGLE-1 / EAGLE-3 head architectures (selfdraft.heads.foreign.modules), for converted checkpoints.
+HEAD_KINDS = ("eagle", "medusa")  # the default first
+# "eagle3": the published EAGLE-3 head (selfdraft.heads.eagle3.module), the one selfdraft trains by default;
+# "eagle1": the published EAGLE-1 head, for converted checkpoints; "selfdraft": our older EAGLE head (a
+# 1-layer body of the target's own class, selfdraft.heads.eagle.module), still trainable by name.
 EAGLE_LAYOUTS = ("selfdraft", "eagle1", "eagle3")
+DEFAULT_LAYOUT = "eagle3"  # what engines serve, and what `selfdraft train` builds
+LEGACY_LAYOUT = "selfdraft"  # the layout of a heads folder whose config.json names none
 
 
 class HeadsConfig(PretrainedConfig):
     """Architecture of a set of draft heads attached to a frozen target.
 
-    head_kind: "medusa" (K parallel heads on the last feature) or "eagle" (one decoder layer of the
-        target's own class, run autoregressively on its own features).
+    head_kind: "eagle" (one decoder layer run autoregressively on its own features; the default) or
+        "medusa" (K parallel heads on the last feature).
     target_*: what the heads were built for; loading onto a different target is refused.
     feature_layers: indices into the target's `output_hidden_states` tuple fed to the heads
         (-1 = last, post-norm). Several indices = EAGLE-3 style fusion through fc(n*h -> h).
     draft_vocab_size: None borrows the target's lm_head; an int gives the heads their own projection
         onto a reduced draft vocabulary with `d2t` / `t2d` maps (EAGLE-3 convention).
     target_config: the target's config as a dict (EAGLE builds a 1-layer decoder from it).
-    eagle_layout: which EAGLE head architecture (see EAGLE_LAYOUTS); only "selfdraft" is our own.
+    eagle_layout: which EAGLE head architecture (see EAGLE_LAYOUTS; default DEFAULT_LAYOUT); None for
+        Medusa heads.
     eagle_layer_config: for "eagle1"/"eagle3", the published decoder layer's own dimensions (hidden,
         heads, RoPE, biases, ...) and EAGLE-3 options (norm_before_residual; norm_output, EAGLE-3.1's
-        post-norm feedback); see selfdraft.heads.foreign.modules.LAYER_KEYS. None derives them from
+        post-norm feedback); see selfdraft.heads.eagle3.module.LAYER_KEYS. None derives them from
         target_config (options off). A missing option reads as off.
     eagle_own_embedding: the head carries its own token embedding (a converted checkpoint whose
         embedding is not the target's) instead of borrowing the target's.
@@ -51,7 +55,7 @@ class HeadsConfig(PretrainedConfig):
         medusa_own_lm_head: bool = False,
         eagle_fc_bias: bool = True,
         target_config: dict[str, Any] | None = None,
-        eagle_layout: str = "selfdraft",
+        eagle_layout: str | None = None,
         eagle_layer_config: dict[str, Any] | None = None,
         eagle_own_embedding: bool = False,
         converted_from: dict[str, Any] | None = None,
@@ -67,10 +71,15 @@ class HeadsConfig(PretrainedConfig):
             and not 0 < draft_vocab_size <= target_vocab_size
         ):
             raise UserError(f"draft_vocab_size={draft_vocab_size} must be in 1..target_vocab_size")
-        if eagle_layout not in EAGLE_LAYOUTS:
+        if head_kind != "eagle":
+            # Medusa heads have no EAGLE layout; folders written before it was optional say "selfdraft"
+            if eagle_layout not in (None, LEGACY_LAYOUT):
+                raise UserError(f"eagle_layout={eagle_layout!r} needs head_kind='eagle', not {head_kind!r}")
+            eagle_layout = None
+        elif eagle_layout is None:
+            eagle_layout = DEFAULT_LAYOUT
+        elif eagle_layout not in EAGLE_LAYOUTS:
             raise UserError(f"eagle_layout={eagle_layout!r}; expected one of {EAGLE_LAYOUTS}")
-        if eagle_layout != "selfdraft" and head_kind != "eagle":
-            raise UserError(f"eagle_layout={eagle_layout!r} needs head_kind='eagle', not {head_kind!r}")
         self.head_kind = head_kind
         self.target_model_type = target_model_type
         self.target_hidden_size = target_hidden_size

@@ -11,20 +11,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from selfdraft.errors import MissingFileError, UserError
-from selfdraft.heads.config import HeadsConfig
-from selfdraft.heads.eagle import EagleHead
-from selfdraft.heads.foreign.modules import ForeignEagleHead
+from selfdraft.heads.config import LEGACY_LAYOUT, HeadsConfig
 from selfdraft.heads.int8 import has_int8_weights
-from selfdraft.heads.medusa import MedusaHeads
+from selfdraft.heads.registry import Heads, build_heads
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-HEAD_CLASSES: dict[str, type[nn.Module]] = {"medusa": MedusaHeads, "eagle": EagleHead}
-# EAGLE heads whose eagle_layout is a published architecture (converted checkpoints).
-PUBLISHED_EAGLE_LAYOUTS = ("eagle1", "eagle3")
-
-Heads = MedusaHeads | EagleHead | ForeignEagleHead
 
 
 class HeadsMismatchError(UserError):
@@ -33,12 +25,6 @@ class HeadsMismatchError(UserError):
 
 class CorruptCheckpointError(UserError):
     """A heads checkpoint that cannot be read or does not match its own config."""
-
-
-def build_heads(config: HeadsConfig) -> Heads:
-    if config.head_kind == "eagle" and config.eagle_layout in PUBLISHED_EAGLE_LAYOUTS:
-        return ForeignEagleHead(config)
-    return HEAD_CLASSES[config.head_kind](config)
 
 
 def check_compatible(config: HeadsConfig, target_config) -> None:
@@ -99,6 +85,8 @@ def read_heads_config(directory: Path) -> HeadsConfig:
             f"{path} has model_type {raw.get('model_type')!r}, not {HeadsConfig.model_type!r}; "
             "for Medusa/EAGLE checkpoints from other projects use `selfdraft convert`"
         )
+    if raw.get("head_kind", "eagle") == "eagle" and "eagle_layout" not in raw:  # written before the key
+        return HeadsConfig.from_pretrained(directory, eagle_layout=LEGACY_LAYOUT)
     return HeadsConfig.from_pretrained(directory)
 
 

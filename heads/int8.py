@@ -11,10 +11,13 @@ are: they are not the heads'.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from selfdraft.errors import UserError
+from selfdraft.precision import dtype_name
 
 # torch's CPU kernel reads the input dimension in blocks of 16 (bfloat16 inputs of another width
 # crashed the process, torch 2.13); narrower layers keep their floating weights.
@@ -95,3 +98,17 @@ def int8_weights(heads: nn.Module, dtype: torch.dtype, strict: bool = True) -> n
 
 def has_int8_weights(heads: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in heads.modules())
+
+
+def heads_dtype(heads: torch.nn.Module) -> torch.dtype:
+    """The floating dtype the heads compute in; it may differ from the target's (see `draft_dtype`).
+    Buffers count too: heads with int8 weights keep their scales there."""
+    for t in itertools.chain(heads.parameters(), heads.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def heads_precision(heads: torch.nn.Module) -> str:
+    """How the heads draft, for reports: their compute dtype, and whether they hold int8 weights."""
+    return dtype_name(heads_dtype(heads)) + (" (int8 weights)" if has_int8_weights(heads) else "")

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from selfdraft.errors import MissingFileError, UserError
+from selfdraft.heads.convert import load_foreign_heads
 from selfdraft.heads.folder import Heads, is_selfdraft_folder, load_own_heads
-from selfdraft.heads.foreign.convert import load_foreign_heads
 
 
 def load_heads(
@@ -18,7 +18,7 @@ def load_heads(
     """Load heads saved by `save_heads`; with `target`, check compatibility and attach to it.
 
     A folder in another project's layout (Medusa-1, EAGLE-1, EAGLE-3, SGLang, vLLM speculators) is
-    converted in memory (`selfdraft.heads.foreign.convert`); our own format is the fast path.
+    converted in memory (`selfdraft.heads.convert`); our own format is the fast path.
     """
     directory = Path(directory)
     if directory.is_file():

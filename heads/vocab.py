@@ -1,6 +1,7 @@
-"""How heads see the target's vocabulary: the target's embeddings and lm_head, borrowed, and a reduced
+"""How heads see the target's vocabulary: the target's embeddings and lm_head, borrowed, a reduced
 draft vocabulary with its maps to the target's (EAGLE-3's `d2t` / `t2d`: target_id = draft_id +
-d2t[draft_id]), which an own projection of the heads ranks.
+d2t[draft_id]), which an own projection of the heads ranks, and the children a drafter takes from
+the heads' logits (ranked or drawn) as target ids.
 
 The borrowed modules are held in a plain dataclass, not as submodules, so they never enter the heads'
 `state_dict`, their parameters, or an optimizer: nothing is copied and nothing of the target is ever
@@ -92,3 +93,34 @@ class DraftVocab(nn.Module):
         """probs: [..., Vd] over the draft vocab -> [..., V] over the target vocab (zeros elsewhere)."""
         out = probs.new_zeros(*probs.shape[:-1], self.t2d.numel())
         return out.index_copy_(-1, self.target_ids(), probs)
+
+
+def ranked_children(logits: torch.Tensor, k: int, heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [n, V'] -> (k best target ids [n, k], their draft log-probabilities [n, k]), best first."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logq, k, dim=-1)
+    vocab = getattr(heads, "draft_vocab", None)
+    ids = vocab.to_target(top.indices) if vocab is not None else top.indices
+    return ids, top.values
+
+
+# Mass spread uniformly over the draft vocabulary in a drawing drafter's q: every token keeps q > 0,
+# so a row always has k distinct tokens to draw; q is ours to choose, and acceptance uses this exact q.
+DRAW_FLOOR = 1e-6
+
+
+def drawn_children(
+    logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None, heads
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k children per node drawn without replacement from q = softmax(logits / T) (floored, see
+    DRAW_FLOOR), in draw order: the Gumbel top-k of log q is exactly such a draw.
+
+    logits: [n, V'] -> (target ids [n, k], log q of each draw [n, k], q [n, V'] float32)."""
+    q = torch.softmax(logits.float() / temperature, dim=-1)
+    q = q * (1.0 - DRAW_FLOOR) + DRAW_FLOOR / q.shape[-1]
+    logq = q.log()
+    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(min=torch.finfo(torch.float32).tiny)
+    draws = torch.topk(logq - torch.log(-torch.log(u)), k, dim=-1).indices
+    vocab = getattr(heads, "draft_vocab", None)
+    ids = vocab.to_target(draws) if vocab is not None else draws
+    return ids, logq.gather(-1, draws), q

@@ -45,9 +45,9 @@ from selfdraft.inference.acceptance import (
     sample,
     warp_probs,
 )
-from selfdraft.inference.drafting import Draft, draft_trees, make_drafter
+from selfdraft.inference.drafting import make_drafter
 from selfdraft.inference.requests import check_request, row_seeds
-from selfdraft.tree import TreeShape, TreeSpec, ancestor_matrix, float_mask
+from selfdraft.tree import Draft, TreeShape, TreeSpec, ancestor_matrix, float_mask
 
 
 @dataclass
@@ -241,6 +241,19 @@ def emit_first_tokens(rows: list[Row], prompts: Sequence[torch.Tensor], passed: 
         if not row.done:
             next_tokens = torch.cat([p[1:], torch.tensor([row.root], device=p.device)])
             drafter.observe(b, next_tokens, _split(passed.hidden_states, b), torch.arange(p.numel(), device=p.device))
+
+
+def draft_trees(
+    drafter, shapes: Sequence[TreeShape], roots: Sequence[int], contexts: Sequence[list[int]]
+) -> list[Draft]:
+    """Row b's tree: the drafter's part of shapes[b] under roots[b], completed with what the shape adds
+    from contexts[b] alone (a looked-up branch; drawn children come only from static trees, which add
+    nothing, so q stays aligned)."""
+    drafts = drafter.propose(shapes, roots)
+    return [
+        Draft(*shape.complete(d.spec, d.tokens, context), d.q)
+        for shape, d, context in zip(shapes, drafts, contexts, strict=True)
+    ]
 
 
 def end_at_context(rows: list[Row], shapes: list[TreeShape | None]) -> None:

@@ -11,7 +11,9 @@ import torch
 
 from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, check_compatible, load_heads
+from selfdraft.heads.config import HEAD_KINDS
 from selfdraft.heads.int8 import int8_weights
+from selfdraft.heads.registry import check_kind
 from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
 from selfdraft.inference.requests import row_seeds
@@ -84,7 +86,7 @@ def shipped_heads_path(target_name: str, head_kind: str) -> Path:
 
 
 def shipped_heads_dir(target_name: str, head_kind: str | None = None) -> Path | None:
-    kinds = [head_kind] if head_kind else ["eagle", "medusa"]
+    kinds = [head_kind] if head_kind else list(HEAD_KINDS)
     for kind in kinds:
         path = shipped_heads_path(target_name, kind)
         if (path / "config.json").is_file():
@@ -321,17 +323,13 @@ class SelfDraftModel:
                 target_name or "this target",
             )
         if heads is None:
-            heads = HeadsConfig.for_target(target.config, head_kind=head_kind or "eagle")
+            heads = HeadsConfig.for_target(target.config, head_kind=head_kind or HEAD_KINDS[0])
         if isinstance(heads, HeadsConfig):
             module = build_heads(heads).to(dtype).attach(target)
             module.init_projection_from_target()
         else:
             module = load_heads(heads, target, dtype=dtype)
-            if head_kind is not None and module.config.head_kind != head_kind:
-                raise UserError(
-                    f"head_kind {head_kind!r} (--head-kind), but {heads} holds {module.config.head_kind} heads; "
-                    "drop it (a heads folder says its own kind) or pass heads of that kind"
-                )
+            check_kind(module.config, head_kind, heads)
             if tree is None and (Path(heads) / TREE_FILE).is_file():
                 tree = str(Path(heads) / TREE_FILE)  # the shape tuned for these heads
         if int8:  # "auto" falls back to float weights where int8 cannot apply; "int8" says why not

@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.destinations import check_destination, staged_folder
+    from selfdraft.heads.convert import convert_heads
     from selfdraft.heads.folder import read_heads_config
-    from selfdraft.heads.foreign.convert import convert_heads
     from selfdraft.target import load_target
 
     check_destination(args.dst, [args.src], overwrite=args.overwrite, option="dst")  # before the target loads

@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.bench.timing import compare
+    from selfdraft.heads.int8 import heads_precision
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.inference.drafting import heads_precision
     from selfdraft.inference.model import SHIPPED
     from selfdraft.precision import machine_kind
 

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfdraft.destinations import ENGINE_FOLDER_NAMES, check_destination, staged_folder
-    from selfdraft.heads.foreign.export import export_heads
+    from selfdraft.heads.eagle3.export import export_heads
 
     owned = {"owned": ENGINE_FOLDER_NAMES, "option": "dst"}
     check_destination(args.dst, [args.src], overwrite=args.overwrite, **owned)

@@ -595,3 +595,35 @@ NAMED_TREES: dict[str, TreeSpec] = {
         ]
     ),
 }
+
+
+# ---- what a drafter returns -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Draft:
+    """One row's drafted tree: its shape `spec`, tokens [N] (node 0 the root) and, when its children
+    were drawn from the heads' q instead of ranked, q [N, V] (rows of nodes that drew nothing are 0)."""
+
+    spec: TreeSpec
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+class PerRow:
+    """B single-row drafters (one per row) behind the batch calls: each row grows its own tree with
+    its drafter's `children` (no pass is shared, so the rows' trees need not grow in lockstep)."""
+
+    def __init__(self, drafters: list) -> None:
+        self.drafters = drafters
+
+    def observe(self, row: int, next_tokens, hidden_states, positions) -> None:
+        self.drafters[row].observe(next_tokens, hidden_states, positions)
+
+    def propose(self, shapes: Sequence[TreeShape], roots: Sequence[int]) -> list[Draft]:
+        out = []
+        for drafter, shape, root in zip(self.drafters, shapes, roots, strict=True):
+            ((spec, tokens),) = grow_trees([shape.start(root)], lambda asks, d=drafter: {0: d.children(asks[0])})
+            out.append(Draft(spec, tokens))
+        return out
+
+    def retire(self, keep: list[int]) -> None:
+        self.drafters = [self.drafters[b] for b in keep]

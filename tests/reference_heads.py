@@ -4,19 +4,20 @@ import torch
 
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
+from selfdraft.heads.eagle.drafter import EagleRows
 from selfdraft.inference.decoding import prefill
-from selfdraft.inference.drafting import EagleRows
 
 from tiny_models import tiny_target
 
 
-def eagle_after_prompt(arch: str, prompt_seed: int):
-    """A random EAGLE head on a tiny target that has observed a 5-token prompt.
+def eagle_after_prompt(arch: str, prompt_seed: int, layout: str = "eagle3"):
+    """A random EAGLE head of `layout` on a tiny target that has observed a 5-token prompt.
 
     Returns (heads, prompt [1, 5], prefill pass, root token, a one-row drafter)."""
     torch.manual_seed(0)
     target = tiny_target(arch)
-    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle")).attach(target)
+    config = HeadsConfig.for_target(target.config, head_kind="eagle", eagle_layout=layout)
+    heads = build_heads(config).attach(target)
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.2)
@@ -26,6 +27,12 @@ def eagle_after_prompt(arch: str, prompt_seed: int):
     drafter = EagleRows(heads, 1)
     drafter.observe(0, torch.cat([prompt[0, 1:], torch.tensor([root])]), passed.hidden_states, torch.arange(5))
     return heads, prompt, passed, root, drafter
+
+
+def input_features(head, passed) -> list:
+    """The head's input feature at each prompt position (its fusion of the target's layers): [h] each."""
+    with torch.no_grad():
+        return list(head.fuse_features(passed.hidden_states)[0])
 
 
 def reference_tokens(head, prompt_tokens, root, feats, spec, k) -> list[int]:

@@ -60,11 +60,20 @@ def greedy_reference(target, prompt: torch.Tensor, max_new_tokens: int) -> list[
     return out[0, prompt.shape[1] :].tolist()
 
 
+# The heads tests build by name: "eagle" is our one-layer-of-the-target's-class layout (the tests
+# were written for its acceptance rates), "eagle3" the default layout, "medusa" Medusa heads.
+TEST_HEADS = {"medusa": ("medusa", None), "eagle": ("eagle", "selfdraft"), "eagle3": ("eagle", "eagle3")}
+
+
 def random_heads(target, kind: str, seed: int, draft_vocab_size=None):
-    """Heads with random (not zero) weights, so drafts are arbitrary but deterministic."""
+    """Heads with random (not zero) weights, so drafts are arbitrary but deterministic. kind: a
+    TEST_HEADS name."""
     torch.manual_seed(seed)
+    head_kind, layout = TEST_HEADS[kind]
     heads = build_heads(
-        HeadsConfig.for_target(target.config, head_kind=kind, draft_vocab_size=draft_vocab_size)
+        HeadsConfig.for_target(
+            target.config, head_kind=head_kind, eagle_layout=layout, draft_vocab_size=draft_vocab_size
+        )
     )
     with torch.no_grad():
         for p in heads.parameters():

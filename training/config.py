@@ -274,7 +274,7 @@ def resolve_for_target(config: RunConfig, target_config) -> RunConfig:
     """Fill eagle3's target-dependent defaults in place and check them against the target (its
     `.config`): feature_layers EAGLE-3's {2, L//2, L-3} (`eagle3_default_layers`), draft_vocab_size
     min(32000, V). Idempotent; a no-op for the selfdraft layout."""
-    from selfdraft.heads.foreign.modules import eagle3_default_layers
+    from selfdraft.heads.eagle3.module import eagle3_default_layers
 
     h = config.heads
     if h.layout != "eagle3":

@@ -24,7 +24,7 @@ FOLDERS = {"selfdraft": "core", "corpora": "corpora", "heads": "heads", "inferen
 
 
 def layer_of_module(name: str) -> str | None:
-    """`selfdraft.heads.foreign.read` -> heads; `selfdraft.kv` -> core; other packages -> None."""
+    """`selfdraft.heads.published` -> heads; `selfdraft.kv` -> core; other packages -> None."""
     parts = name.split(".")
     if parts[0] != "selfdraft":
         return None
@@ -78,13 +78,13 @@ def test_an_upward_import_is_caught(tmp_path):
             dest = tmp_path / folder / path.relative_to(ROOT / folder)
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(path.read_text())
-    eagle = tmp_path / "heads" / "eagle.py"
+    eagle = tmp_path / "heads" / "eagle" / "module.py"
     eagle.write_text(eagle.read_text() + "\nfrom selfdraft.inference import kv_helpers  # noqa\n")
     prompts = tmp_path / "bench" / "prompts.py"
     prompts.write_text(prompts.read_text() + "\ndef f():\n    from selfdraft.training.data import x  # noqa\n")
     found = upward_imports(tmp_path)
     assert len(found) == 2
-    assert any("heads/eagle.py" in p and "(heads -> inference)" in p for p in found)
+    assert any("heads/eagle/module.py" in p and "(heads -> inference)" in p for p in found)
     assert any("bench/prompts.py" in p and "(bench -> training)" in p for p in found)
 
 

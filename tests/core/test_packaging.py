@@ -29,7 +29,14 @@ def test_wheel_contents(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = tmp_path.glob("selfdraft-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("heads/eagle.py", "inference/model.py", "training/train.py", "scripts/cli.py"):
+    for module in (
+        "heads/eagle/module.py",
+        "heads/eagle3/module.py",
+        "heads/medusa/drafter.py",
+        "inference/model.py",
+        "training/train.py",
+        "scripts/cli.py",
+    ):
         assert f"selfdraft/{module}" in names, module
     shipped = "selfdraft/checkpoints/smollm2-135m-instruct-eagle/"
     for part in ("config.json", "model.safetensors", "README.md", "tree.yaml"):

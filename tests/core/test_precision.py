@@ -12,9 +12,8 @@ from selfdraft.bench.divergence import first_divergence, float32_reference, own_
 from selfdraft.bench.report import identical_cell
 from selfdraft.bench.run import mark_divergences
 from selfdraft.errors import UserError
-from selfdraft.heads.int8 import Int8Linear, has_int8_weights, int8_weights
+from selfdraft.heads.int8 import Int8Linear, has_int8_weights, heads_dtype, int8_weights
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.drafting import heads_dtype
 from selfdraft.precision import cpu_kind, native_bf16, parse_dtype, resolve_draft_dtype
 
 from tiny_models import greedy_reference, random_heads, tiny_target

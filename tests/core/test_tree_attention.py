@@ -5,8 +5,7 @@ import torch
 
 from selfdraft import kv
 from selfdraft.inference.decoding import prefill, verify
-from selfdraft.inference.drafting import Draft
-from selfdraft.tree import NAMED_TREES, TreeSpec, additive_mask, ancestor_matrix
+from selfdraft.tree import NAMED_TREES, Draft, TreeSpec, additive_mask, ancestor_matrix
 
 from tiny_models import CONFIGS, tiny_target
 

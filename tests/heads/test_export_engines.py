@@ -26,7 +26,7 @@ from test_interop_engines import ref_eagle3
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from selfdraft.heads import HeadsConfig, build_heads, load_heads, save_heads
-from selfdraft.heads.foreign.export import ExportError, engine_config, export_heads
+from selfdraft.heads.eagle3.export import ExportError, engine_config, export_heads
 from selfdraft.scripts import cli
 from selfdraft.target import EMBEDDED, prepare_target
 
@@ -120,7 +120,7 @@ def test_vllm_export_reads_the_embedding_from_the_target_folder(tmp_path):
 def test_sglang_export_of_norm_output_heads(tmp_path):
     target = _target()
     layer = {"norm_output": True}
-    from selfdraft.heads.foreign.modules import layer_config_from_target
+    from selfdraft.heads.eagle3.module import layer_config_from_target
 
     heads = _eagle3_heads(
         target, eagle_layer_config={**layer_config_from_target(target.config.to_dict()), **layer}

@@ -147,7 +147,7 @@ def test_widened_heads_start_as_the_one_layer_heads_and_learn_the_others():
     """EAGLE heads reading the last layer, widened to fuse layers 1, 2 and -1, compute exactly what
     they did (the fusion picks the last layer's block), and the other blocks still get gradients."""
     target = tiny_target("llama")
-    heads = _heads(target, "eagle", draft_vocab_size=40)
+    heads = _heads(target, "eagle", draft_vocab_size=40, eagle_layout="selfdraft")
     wide = heads.widened([1, 2, -1], keep=2)
     assert wide.config.feature_layers == [1, 2, -1] and heads.config.feature_layers == [-1]
     torch.manual_seed(1)

@@ -7,7 +7,7 @@ import pytest
 
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
-from selfdraft.heads.foreign.convert import convert_heads
+from selfdraft.heads.convert import convert_heads
 
 from tiny_models import random_heads, save_tiny_llama_with_real_tokenizer, tiny_target
 

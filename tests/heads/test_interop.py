@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from selfdraft.heads import HeadsConfig, build_heads, load_heads, save_heads
+from selfdraft.heads.convert import UnknownLayoutError, convert_heads
+from selfdraft.heads.eagle3.export import ExportError, export_heads
 from selfdraft.heads.folder import CorruptCheckpointError, HeadsMismatchError
-from selfdraft.heads.foreign.convert import UnknownLayoutError, convert_heads
-from selfdraft.heads.foreign.export import ExportError, export_heads
 from selfdraft.inference import SelfDraftModel
 from selfdraft.kv import new_cache
 from selfdraft.scripts import cli
@@ -434,7 +434,7 @@ def test_export_refuses_heads_the_engines_cannot_serve(tmp_path):
     medusa = build_heads(HeadsConfig.for_target(target.config, head_kind="medusa"))
     with pytest.raises(ExportError, match="Medusa"):
         export_heads(save_heads(medusa, tmp_path / "m"), tmp_path / "out", "vllm", "x")
-    ours = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle"))
+    ours = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle", eagle_layout="selfdraft"))
     with pytest.raises(ExportError, match="not the EAGLE-3 architecture"):
         export_heads(save_heads(ours, tmp_path / "e"), tmp_path / "out", "sglang")
     write_eagle1(tmp_path / "e1", TINY)

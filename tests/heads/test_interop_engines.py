@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from test_interop import EPS, TINY, attention, llama_target, mlp, ref_eagle1, rms
 
 from selfdraft.heads import HeadsConfig, build_heads, load_heads, save_heads
-from selfdraft.heads.foreign.convert import UnknownLayoutError, convert_heads
-from selfdraft.heads.foreign.export import ExportError, engine_config, export_heads
-from selfdraft.heads.foreign.modules import layer_config_from_target
-from selfdraft.heads.foreign.read import UnsupportedVariantError
+from selfdraft.heads.convert import UnknownLayoutError, convert_heads
+from selfdraft.heads.eagle3.export import ExportError, engine_config, export_heads
+from selfdraft.heads.eagle3.module import layer_config_from_target
+from selfdraft.heads.published import UnsupportedVariantError
 from selfdraft.inference import SelfDraftModel
 from selfdraft.kv import new_cache
 
@@ -480,7 +480,7 @@ def test_export_refuses_fused_layers_out_of_layer_order(tmp_path):
     from transformers import LlamaConfig
 
     from selfdraft.heads import HeadsConfig, build_heads, save_heads
-    from selfdraft.heads.foreign.export import ExportError, export_heads
+    from selfdraft.heads.eagle3.export import ExportError, export_heads
 
     from tiny_models import COMMON
 

@@ -5,8 +5,9 @@ pending blocks, steps and rows leaving the batch."""
 import pytest
 import torch
 
-from selfdraft.inference.drafting import EagleRows, PerRow, draft_trees
-from selfdraft.tree import DynamicTree, LookupTree, PromptLookup, TreeSpec
+from selfdraft.heads.eagle.drafter import EagleRows
+from selfdraft.inference.decoding import draft_trees
+from selfdraft.tree import DynamicTree, LookupTree, PerRow, PromptLookup, TreeSpec
 
 from oracle import OracleDrafter
 from tiny_models import random_heads, tiny_target

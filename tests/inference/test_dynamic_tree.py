@@ -8,11 +8,10 @@ import torch
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
 from selfdraft.inference import SelfDraftModel
-from selfdraft.inference.drafting import PerRow
-from selfdraft.tree import DynamicTree
+from selfdraft.tree import DynamicTree, PerRow
 from selfdraft.tree_syntax import resolve_tree
 
-from reference_heads import eagle_after_prompt, reference_tokens
+from reference_heads import eagle_after_prompt, input_features, reference_tokens
 from tiny_models import greedy_reference, tiny_target
 
 
@@ -79,14 +78,15 @@ def test_resolve_dynamic_names():
         resolve_tree("dynamic:width=3")
 
 
+@pytest.mark.parametrize("layout", ["selfdraft", "eagle3"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_eagle_dynamic_draft_matches_recomputation(arch):
-    heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=3)
+def test_eagle_dynamic_draft_matches_recomputation(arch, layout):
+    heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=3, layout=layout)
     with torch.no_grad():
         (draft,) = drafter.propose([DynamicTree(depth=3, top_k=3, total_tokens=8)], [root])
         spec, tokens = draft.spec, draft.tokens
         # the dynamic tree's nodes are exactly what the head proposes along each path (ranks included)
-        expected = reference_tokens(heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 3)
+        expected = reference_tokens(heads, prompt[0].tolist(), root, input_features(heads, passed), spec, 3)
     assert tokens.tolist() == expected
     assert spec.size == 9 and kv.cache_length(drafter.cache) == 5
 

@@ -108,11 +108,11 @@ def test_max_new_tokens_exact_inside_block(budget):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma"])
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_tiny_architectures_greedy_identity(arch, kind):
     target = tiny_target(arch)
-    heads = random_heads(target, kind, 1, draft_vocab_size=64 if kind == "eagle" else None)
-    model = SelfDraftModel(target, None, heads, tree="medium" if kind == "eagle" else "small")
+    heads = random_heads(target, kind, 1, draft_vocab_size=None if kind == "medusa" else 64)
+    model = SelfDraftModel(target, None, heads, tree="small" if kind == "medusa" else "medium")
     for seed in range(2):
         prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
         ref = greedy_reference(target, prompt, 30)

@@ -5,11 +5,11 @@ import torch
 
 from selfdraft import kv
 from selfdraft.heads import HeadsConfig, build_heads
+from selfdraft.heads.medusa.drafter import MedusaDrafter
 from selfdraft.inference.decoding import prefill, verify
-from selfdraft.inference.drafting import Draft, MedusaDrafter, PerRow
-from selfdraft.tree import NAMED_TREES, TreeSpec
+from selfdraft.tree import NAMED_TREES, Draft, PerRow, TreeSpec
 
-from reference_heads import eagle_after_prompt, reference_tokens
+from reference_heads import eagle_after_prompt, input_features, reference_tokens
 from tiny_models import tiny_target
 
 SPEC = TreeSpec.from_paths([(0, 0, 0), (0, 1), (1, 0), (2,)])
@@ -46,14 +46,15 @@ def test_crop_and_errors():
         kv.crop(cache, 9)
 
 
+@pytest.mark.parametrize("layout", ["selfdraft", "eagle3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
 @pytest.mark.parametrize("spec", [NAMED_TREES["small"], TreeSpec.chain(4)], ids=["small", "chain"])
-def test_eagle_tree_drafting_matches_cache_free_recomputation(arch, spec):
-    heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=2)
+def test_eagle_tree_drafting_matches_cache_free_recomputation(arch, spec, layout):
+    heads, prompt, passed, root, drafter = eagle_after_prompt(arch, prompt_seed=2, layout=layout)
     with torch.no_grad():
         tokens = drafter.propose([spec], [root])[0].tokens
         expected = reference_tokens(
-            heads, prompt[0].tolist(), root, list(passed.hidden_states[-1][0]), spec, 4
+            heads, prompt[0].tolist(), root, input_features(heads, passed), spec, 4
         )
     assert tokens.tolist() == expected
     assert kv.cache_length(drafter.cache) == 5  # the tree's entries were cropped from the head's cache

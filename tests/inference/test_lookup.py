@@ -6,9 +6,10 @@ import torch
 
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import SamplingParams
-from selfdraft.inference.drafting import PerRow, draft_trees
+from selfdraft.inference.decoding import draft_trees
 from selfdraft.tree import (
     LookupTree,
+    PerRow,
     PromptLookup,
     TreeSpec,
     first_choice_path,

@@ -10,8 +10,7 @@ from selfdraft import kv
 from selfdraft.inference import SelfDraftModel
 from selfdraft.inference.acceptance import SamplingParams, accept_rejection, warp_probs
 from selfdraft.inference.decoding import prefill, verify
-from selfdraft.inference.drafting import Draft
-from selfdraft.tree import TreeSpec
+from selfdraft.tree import Draft, TreeSpec
 
 from stats import chi_square, exact_two_token_law
 from tiny_models import random_heads, tiny_target

@@ -103,7 +103,7 @@ def test_publish_with_its_own_config_passes_the_check(tmp_path):
 
 def test_export_for_another_target_is_refused(tmp_path):
     from selfdraft.errors import UserError
-    from selfdraft.heads.foreign.export import export_heads
+    from selfdraft.heads.eagle3.export import export_heads
 
     run, _ = _run(tmp_path)  # heads of the tiny Llama (hidden 32)
     with pytest.raises(UserError, match="hidden size"):

@@ -20,7 +20,7 @@ from selfdraft.training.strategies import (
 ROOT = Path(__file__).resolve().parents[2]
 KIND_FREE = ["training/train.py", "training/steps.py", "training/evaluation.py"]
 HEAD_NAMES = {"medusa", "eagle", "eagle1", "eagle3", "selfdraft"}
-HEAD_CLASSES = {"EagleHead", "MedusaHeads", "ForeignEagleHead"}
+HEAD_CLASSES = {"EagleHead", "MedusaHeads", "PublishedEagleHead"}
 
 
 def _config(kind: str, layout: str) -> RunConfig:

@@ -174,7 +174,7 @@ def _draft_logits(heads, target, input_ids: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.slow
 def test_trained_eagle3_heads_export_and_load_back(tmp_path, deep_target_dir):
     from selfdraft.heads import load_heads
-    from selfdraft.heads.foreign.modules import ForeignEagleHead
+    from selfdraft.heads.eagle3.module import PublishedEagleHead
     from selfdraft.inference import SelfDraftModel
     from selfdraft.scripts.cli import main as cli
     from selfdraft.target import load_target
@@ -198,7 +198,7 @@ def test_trained_eagle3_heads_export_and_load_back(tmp_path, deep_target_dir):
 
     target, tokenizer = load_target(str(deep_target_dir))
     trained = load_heads(trained_dir, target)
-    assert isinstance(trained, ForeignEagleHead)
+    assert isinstance(trained, PublishedEagleHead)
     prompt = torch.tensor([tokenizer.encode("Tell me about trains and how they run.")])
     expected = _draft_logits(trained, target, prompt)
     # the run's target is a local folder: vLLM's config must name a hub id, so the export asks for one
@@ -214,7 +214,7 @@ def test_trained_eagle3_heads_export_and_load_back(tmp_path, deep_target_dir):
         )
         assert layer_ids == ([2, 4, 5] if engine == "vllm" else [1, 3, 4])  # SGLang names layer outputs
         loaded = load_heads(dst, target)
-        assert isinstance(loaded, ForeignEagleHead) and loaded.config.feature_layers == [2, 4, 5]
+        assert isinstance(loaded, PublishedEagleHead) and loaded.config.feature_layers == [2, 4, 5]
         # bit-identical heads: every tensor (the vLLM export's copy of the target's embedding is
         # recognised as the target's and borrowed again, as in the trained heads)
         mine, back = trained.state_dict(), loaded.state_dict()

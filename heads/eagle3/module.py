@@ -1,9 +1,11 @@
-"""The published EAGLE-1 and EAGLE-3 head architectures, so converted checkpoints run exactly.
+"""The EAGLE-3 head (layout "eagle3", the one selfdraft trains by default and engines serve), and the
+published EAGLE-1 head that shares its decoder-layer code (layout "eagle1", for converted checkpoints):
+both run as `PublishedEagleHead`, exactly as the projects that publish them compute them.
 
-Our own EAGLE head (`selfdraft.heads.eagle.EagleHead`, layout "selfdraft") is a one-layer body of the
-target's own class, with that class's input norm and final norm. The heads other projects publish are
-different networks, so a converted checkpoint runs in the module below instead (same interface:
-`fuse_features`, `forward`, `logits`, `attach`, `config`, `draft_vocab`, `init_projection_from_target`).
+Our older EAGLE head (`selfdraft.heads.eagle.module.EagleHead`, layout "selfdraft") is a one-layer body
+of the target's own class, with that class's input norm and final norm; the published heads are
+different networks (same interface: `fuse_features`, `forward`, `logits`, `attach`, `drafter`, `config`,
+`draft_vocab`, `init_projection_from_target`).
 
 EAGLE-1 / EAGLE-2 (layout "eagle1", SafeAILab/EAGLE `cnets1.py`):
     f_t = the target's last hidden state AFTER its final norm (the tensor its lm_head reads, which is
@@ -47,6 +49,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.eagle.drafter import EagleRows
 from selfdraft.heads.vocab import BorrowingModule, DraftVocab
 
 # Keys of HeadsConfig.eagle_layer_config (the published decoder layer's own dimensions).
@@ -230,14 +233,14 @@ class PublishedLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class ForeignEagleHead(BorrowingModule):
+class PublishedEagleHead(BorrowingModule):
     """An EAGLE-1 or EAGLE-3 head with the published architecture (config.eagle_layout)."""
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         layout = config.eagle_layout
         if layout not in ("eagle1", "eagle3"):
-            raise ValueError(f"ForeignEagleHead builds eagle1/eagle3 layouts, not {layout!r}")
+            raise ValueError(f"PublishedEagleHead builds eagle1/eagle3 layouts, not {layout!r}")
         if config.eagle_layer_config is None and not config.target_config:
             raise ValueError(f"an {layout} head needs HeadsConfig.eagle_layer_config or target_config")
         layer = config.eagle_layer_config or layer_config_from_target(config.target_config)
@@ -269,6 +272,9 @@ class ForeignEagleHead(BorrowingModule):
     @property
     def layout(self) -> str:
         return self.config.eagle_layout
+
+    def drafter(self, rows: int) -> EagleRows:
+        return EagleRows(self, rows)
 
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.eagle.drafter import EagleRows
 from selfdraft.heads.vocab import BorrowingModule, DraftVocab
 from selfdraft.kv import cache_kwargs
 
@@ -63,6 +64,9 @@ class EagleHead(BorrowingModule):
         else:
             self.lm_head = None
             self.draft_vocab = None
+
+    def drafter(self, rows: int) -> EagleRows:
+        return EagleRows(self, rows)
 
     def widened(self, feature_layers: Sequence[int], keep: int) -> EagleHead:
         """These heads (reading one target layer) rebuilt to fuse `feature_layers`, whose entry `keep`

@@ -59,6 +59,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from selfdraft.errors import UserError
 from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.eagle3.embedding import read_input_embedding
+from selfdraft.heads.eagle3.module import layer_config_from_target
 from selfdraft.heads.folder import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -66,8 +68,6 @@ from selfdraft.heads.folder import (
     read_heads_config,
     read_safetensors,
 )
-from selfdraft.heads.foreign.embedding import read_input_embedding
-from selfdraft.heads.foreign.modules import layer_config_from_target
 from selfdraft.target import EMBEDDED, embedded_name, resolve_target_path
 
 ENGINES = ("vllm", "sglang")
@@ -329,7 +329,7 @@ def engine_config(
 def engine_tensors(
     state: dict[str, torch.Tensor], engine: str, embedding: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
-    """Our ForeignEagleHead tensor names -> the names `engine` loads (values untouched); `embedding`,
+    """Our PublishedEagleHead tensor names -> the names `engine` loads (values untouched); `embedding`,
     the target's token embedding the heads borrow, is written as embed_tokens.weight."""
     out = {}
     for name, tensor in state.items():

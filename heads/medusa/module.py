@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.medusa.drafter import MedusaDrafter
 from selfdraft.heads.vocab import BorrowingModule, DraftVocab
+from selfdraft.tree import PerRow
 
 
 class ResBlock(nn.Module):
@@ -35,6 +37,10 @@ class MedusaHeads(BorrowingModule):
         self.draft_vocab = (
             DraftVocab(config.draft_vocab_size, config.target_vocab_size) if config.draft_vocab_size else None
         )
+
+    def drafter(self, rows: int) -> PerRow:
+        """One drafter per row: Medusa's drafting has no head pass for rows to share."""
+        return PerRow([MedusaDrafter(self) for _ in range(rows)])
 
     @property
     def num_heads(self) -> int:

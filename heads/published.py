@@ -2,7 +2,9 @@
 
 `read_checkpoint` loads a folder's config and weights (pickles only through
 `torch.load(weights_only=True)`); `detect_layout` names its layout from the tensor names and shapes
-alone. Conversion into selfdraft's own modules lives in `selfdraft.heads.foreign.convert`.
+alone; the helpers below read what every converter reads the same way (the target's facts, the
+published layer's dimensions). Each kind converts its own layouts (`heads/<kind>/convert.py`);
+`selfdraft.heads.convert` picks the converter.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from selfdraft.errors import MissingFileError, UserError
-from selfdraft.heads.folder import CONFIG_NAME, CorruptCheckpointError, read_safetensors
+from selfdraft.heads.eagle3.module import rope_kwargs
+from selfdraft.heads.folder import CONFIG_NAME, CorruptCheckpointError, HeadsMismatchError, read_safetensors
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
 LAYOUTS = {
@@ -152,3 +156,113 @@ def detect_layout(ckpt: Checkpoint) -> str:
     if "layers.0.self_attn.q_proj.weight" in names and fc is not None and fc.shape[1] == 2 * fc.shape[0]:
         return "eagle1"
     raise _unknown(ckpt.path, ckpt.tensors, "tensor names match none of the layouts", ckpt.config)
+
+
+# ---- what every converter reads the same way -------------------------------------------------------
+def text_config(target: nn.Module):
+    config = target.config
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def target_architectures(target: nn.Module) -> list[str]:
+    return list(getattr(target.config, "architectures", None) or [type(target).__name__])
+
+
+def check_target(ckpt: Checkpoint, layout: str, found: dict, target: nn.Module | None) -> None:
+    """found: what -> (value, where it was read). Raise HeadsMismatchError naming both values."""
+    if target is None:
+        return
+    text = text_config(target)
+    actual = {
+        "hidden size": text.hidden_size,
+        "vocab size": text.vocab_size,
+        "architecture": target_architectures(target),
+    }
+    for what, (value, source) in found.items():
+        if value is None:
+            continue
+        if what == "architecture":
+            if not set(value) & set(actual[what]):
+                raise HeadsMismatchError(
+                    f"{ckpt.path} ({layout}) was made for a {value} target ({source}), but this target is "
+                    f"{actual[what]}; use heads made for this target"
+                )
+        elif value != actual[what]:
+            raise HeadsMismatchError(
+                f"{ckpt.path} ({layout}) was made for a target with {what} {value} ({source}), but this "
+                f"target has {actual[what]}; use heads made for this target"
+            )
+
+
+def base_fields(ckpt: Checkpoint, layout: str, target: nn.Module | None, **provenance) -> dict:
+    text = text_config(target) if target is not None else None
+    target_config = None
+    if text is not None and layout != "medusa":
+        target_config = text.to_dict()
+        target_config["architectures"] = target_architectures(target)
+    return {
+        "target_model_type": text.model_type if text is not None else None,
+        "target_num_layers": text.num_hidden_layers if text is not None else None,
+        "target_config": target_config,
+        "converted_from": {
+            "layout": layout,
+            "source": str(ckpt.path),
+            "weights_file": ckpt.weights_file,
+            **{k: v for k, v in provenance.items() if v is not None},
+        },
+    }
+
+
+def layer_config(src: dict, tensors: dict[str, torch.Tensor], prefix: str, hidden: int) -> dict:
+    """The published layer's dimensions: widths from the tensors, the rest (eps, RoPE) from `src`."""
+    q, k = tensors[prefix + "self_attn.q_proj.weight"], tensors[prefix + "self_attn.k_proj.weight"]
+    num_heads = src.get("num_attention_heads")
+    if not num_heads or q.shape[0] % num_heads:
+        raise CorruptCheckpointError(
+            f"config num_attention_heads={num_heads} does not divide q_proj's {q.shape[0]} output rows"
+        )
+    head_dim = q.shape[0] // num_heads
+    if k.shape[0] % head_dim:
+        raise CorruptCheckpointError(f"k_proj rows {k.shape[0]} are not a multiple of head_dim {head_dim}")
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": tensors[prefix + "mlp.gate_proj.weight"].shape[0],
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": k.shape[0] // head_dim,
+        "head_dim": head_dim,
+        "rms_norm_eps": src.get("rms_norm_eps", 1e-6),
+        "hidden_act": src.get("hidden_act", "silu"),
+        "max_position_embeddings": src.get("max_position_embeddings", 2048),
+        "rope": rope_kwargs(src),
+        "qkv_bias": prefix + "self_attn.q_proj.bias" in tensors,
+        "o_bias": prefix + "self_attn.o_proj.bias" in tensors,
+        "mlp_bias": prefix + "mlp.gate_proj.bias" in tensors,
+        "input_layernorm": prefix + "input_layernorm.weight" in tensors,
+        "norm_before_residual": bool(src.get("norm_before_residual", False)),
+        "norm_output": bool(src.get("norm_output", False)),
+    }
+
+
+def rename_layer(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Published names -> PublishedEagleHead names (layer prefix, d2t/t2d under draft_vocab)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            name = "layer." + name[len(prefix) :]
+        elif name in ("d2t", "t2d"):
+            name = "draft_vocab." + name
+        out[name] = tensor
+    return out
+
+
+def keeps_own_embedding(state: dict, target: nn.Module | None) -> bool:
+    """Drop an embedded copy of the target's embedding; True when the head keeps its own."""
+    embed = state.get("embed_tokens.weight")
+    if embed is None:
+        return False
+    if target is not None:
+        mine = target.get_input_embeddings().weight.detach().cpu()
+        if mine.shape == embed.shape and torch.equal(mine.to(embed.dtype), embed):
+            del state["embed_tokens.weight"]
+            return False
+    return True

@@ -1,0 +1,77 @@
+"""Every kind of draft heads selfdraft builds, by layout: the one place that maps a config to a module.
+
+Nothing outside `heads/` asks which kind or layout it holds: it asks the registry what a layout can do
+(`head_type(config)`) or the heads themselves (`heads.drafter(rows)`, the `DraftHeads` interface).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from selfdraft.errors import UserError
+from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.eagle.module import EagleHead
+from selfdraft.heads.eagle3.module import PublishedEagleHead
+from selfdraft.heads.medusa.module import MedusaHeads
+
+Heads = MedusaHeads | EagleHead | PublishedEagleHead
+
+
+class DraftHeads(Protocol):
+    """What every heads module offers the rest of selfdraft."""
+
+    config: HeadsConfig
+
+    def attach(self, target: nn.Module) -> DraftHeads:
+        """Borrow the target's embeddings and lm_head (nothing copied)."""
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., V'] of the heads' features."""
+
+    def drafter(self, rows: int):
+        """A fresh drafter for `rows` rows of one generate call (see `inference/drafting.py`)."""
+
+
+@dataclass(frozen=True)
+class HeadType:
+    kind: str  # HeadsConfig.head_kind
+    layout: str  # medusa | selfdraft | eagle1 | eagle3
+    module: type[nn.Module]
+    servable: bool  # `selfdraft export --to vllm|sglang` writes it for engines
+    about: str  # for messages
+
+
+HEAD_TYPES: dict[str, HeadType] = {
+    t.layout: t
+    for t in (
+        HeadType("medusa", "medusa", MedusaHeads, False, "Medusa heads"),
+        HeadType("eagle", "selfdraft", EagleHead, False, "selfdraft-layout EAGLE heads"),
+        HeadType("eagle", "eagle1", PublishedEagleHead, False, "EAGLE-1 heads"),
+        HeadType("eagle", "eagle3", PublishedEagleHead, True, "EAGLE-3 heads"),
+    )
+}
+
+
+def layout_of(config: HeadsConfig) -> str:
+    return "medusa" if config.head_kind == "medusa" else config.eagle_layout
+
+
+def head_type(config: HeadsConfig) -> HeadType:
+    return HEAD_TYPES[layout_of(config)]
+
+
+def build_heads(config: HeadsConfig) -> Heads:
+    return head_type(config).module(config)
+
+
+def check_kind(config: HeadsConfig, head_kind: str | None, source: object) -> None:
+    """Refuse heads of another kind than the one asked for (`--head-kind`)."""
+    if head_kind is not None and config.head_kind != head_kind:
+        raise UserError(
+            f"head_kind {head_kind!r} (--head-kind), but {source} holds {config.head_kind} heads; "
+            "drop it (a heads folder says its own kind) or pass heads of that kind"
+        )
