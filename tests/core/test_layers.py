@@ -2,6 +2,7 @@
 scripts), the inference path needs no training extras, and one generate step crosses few files."""
 
 import ast
+import re
 import subprocess
 import sys
 import threading
@@ -157,10 +158,28 @@ def test_one_generate_step_crosses_at_most_eight_files():
         type(model.tree).start = real_start
     assert files, "the tracer saw nothing"
     assert {"heads/vocab.py", "heads/int8.py"} <= files, sorted(files)
-    assert len(files) <= 8, "\n".join(sorted(files))
+    assert len(files) <= FILES_PER_STEP, "\n".join(sorted(files))
 
 
+FILES_PER_STEP = 8  # project files one shipped generate step may cross
 LOOP_LINES = 60  # the decode loop, signature and docstring included
+
+
+def test_the_design_page_states_what_the_tests_check():
+    """docs/design.md cannot drift: its limits are these tests' constants, and every project path it
+    names exists."""
+    from selfdraft.training.release.publish import CARD_LIMIT
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    flat = " ".join(text.split())
+    assert f"at most {LOOP_LINES} lines" in flat
+    assert f"at most {FILES_PER_STEP} project files" in flat
+    assert f"at most {CARD_LIMIT // 1024} KB" in flat
+    named = set(re.findall(r"`((?:[a-z_0-9]+/)+[a-z_0-9]+\.(?:py|md|yaml|json))(?::[A-Za-z_]+)?`", text))
+    named |= {f"{a}/{b}" for a, b in re.findall(r"(heads|inference|training|selfdraft)/([a-z_0-9/]+\.py)", text)}
+    assert named, "the page names no file"
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, missing
 
 
 def test_the_decode_loop_reads_in_one_screen():
