@@ -176,7 +176,7 @@ def test_run_fusing_more_layers_continues_one_layer_heads(tmp_path, tiny_target_
     from selfdraft.training.train import build_run_heads
 
     target, _ = load_target(str(tiny_target_dir))
-    heads = _heads(target, "eagle", draft_vocab_size=40)
+    heads = _heads(target, "eagle", draft_vocab_size=40, eagle_layout="selfdraft")
     save_heads(heads, tmp_path / "one")
 
     def run_heads(layers):
@@ -205,7 +205,8 @@ def test_run_with_another_draft_vocab_size_keeps_trained_rows(tmp_path, tiny_tar
     from selfdraft.training.train import build_run_heads
 
     target, _ = load_target(str(tiny_target_dir))
-    heads = _heads(target, "eagle", draft_vocab_size=40)  # draft ids 0..39 are target ids 0..39
+    # draft ids 0..39 are target ids 0..39
+    heads = _heads(target, "eagle", draft_vocab_size=40, eagle_layout="selfdraft")
     save_heads(heads, tmp_path / "one")
     # tokens 20..79 are the 60 most frequent labels: 20..39 are kept, 40..79 are new; 0..19 leave
     ids = list(range(20, 80)) * 3 + list(range(0, 20)) + list(range(100, 110))

@@ -1,6 +1,6 @@
-"""Batched drafting (`drafting.EagleRows`, through `drafting.draft_trees`) against one single-row
-`EagleRows` per row: every row of the batch drafts exactly the tree it drafts alone, across ragged
-pending blocks, steps and rows leaving the batch."""
+"""Batched drafting (`heads/eagle/drafter.py:EagleRows`, through `decoding.draft_trees`) against one
+single-row `EagleRows` per row: every row of the batch drafts exactly the tree it drafts alone, across
+ragged pending blocks, steps and rows leaving the batch."""
 
 import pytest
 import torch

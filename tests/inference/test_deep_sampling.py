@@ -205,16 +205,16 @@ def test_four_token_law_with_children_drawn_from_the_heads(monkeypatch):
 @pytest.mark.slow
 def test_drawing_from_one_q_and_verifying_with_another_fails_the_gate(monkeypatch):
     """The gate can tell: children drawn at temperature 1 but verified as if drawn at PARAMS' 1.5."""
-    from selfdraft.inference import drafting
+    from selfdraft.heads.eagle import drafter
 
     target = small_vocab_target()
     law, conditionals = exact_four_token_law(target)
-    honest = drafting.drawn_children
+    honest = drafter.drawn_children
 
     def mismatched(logits, k, temperature, generator, heads):
         ids, logq, q = honest(logits, k, temperature, generator, heads)
         return honest(logits, k, 1.0, generator, heads)[:2] + (q,)
 
-    monkeypatch.setattr(drafting, "drawn_children", mismatched)
+    monkeypatch.setattr(drafter, "drawn_children", mismatched)
     counts, _ = sample_four_tokens(target, draws=1500, heads=drawing_eagle_heads(target))
     assert failed_gates(counts, law, conditionals), "a q mismatch passed the gate"
