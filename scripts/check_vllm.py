@@ -72,7 +72,8 @@ def ensure_venv(venv: Path = VENV) -> Path:
     python = venv / "bin" / "python"
     stamp = venv / STAMP
     if stamp.is_file():
-        if stamp.read_text() != _stamp_text():  # built before a package joined the list
+        if stamp.read_text() != _stamp_text():  # built before a package joined a list or the layout moved
+            _pip(python, "--no-deps", "-e", str(ROOT))  # an editable install maps each package's folder
             _pip(python, "--no-deps", *EMBEDDED_PKGS)
             stamp.write_text(_stamp_text())
         return python
@@ -88,7 +89,8 @@ def ensure_venv(venv: Path = VENV) -> Path:
 
 
 def _stamp_text() -> str:
-    return "\n".join((TORCH, VLLM, *EMBEDDED_PKGS)) + "\n"
+    layout = [line for line in (ROOT / "pyproject.toml").read_text().splitlines() if line.startswith("package")]
+    return "\n".join((TORCH, VLLM, *EMBEDDED_PKGS, *layout)) + "\n"
 
 
 def install_target_packages(target: str) -> list[str]:
