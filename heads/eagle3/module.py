@@ -276,7 +276,6 @@ class PublishedEagleHead(BorrowingModule):
     def drafter(self, rows: int) -> EagleRows:
         return EagleRows(self, rows)
 
-
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.embed_tokens if self.embed_tokens is not None else self._need().embed
         return embed(input_ids)
