@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from selfdraft.errors import UserError
-from selfdraft.heads.config import HeadsConfig
+from selfdraft.heads.config import DEFAULT_LAYOUT, LEGACY_LAYOUT, HeadsConfig
 from selfdraft.heads.eagle.module import EagleHead
 from selfdraft.heads.eagle3.module import PublishedEagleHead
 from selfdraft.heads.medusa.module import MedusaHeads
@@ -42,16 +42,22 @@ class HeadType:
     layout: str  # medusa | selfdraft | eagle1 | eagle3
     module: type[nn.Module]
     servable: bool  # `selfdraft export --to vllm|sglang` writes it for engines
-    about: str  # for messages
+    # what a training run of these heads defaults to, and what it may change when it continues them
+    fc_bias: bool = True  # the EAGLE fc's bias (the engines' EAGLE-3 fc has none)
+    feature_weight: float = 0.1  # the feature-regression loss (EAGLE-3 feeds back a pre-norm state instead)
+    fuses_layers: bool = False  # reads three target layers, chosen from the target's depth by default
+    adapts: bool = False  # a continued run may widen its fusion or change its draft vocabulary
 
 
 HEAD_TYPES: dict[str, HeadType] = {
     t.layout: t
     for t in (
-        HeadType("medusa", "medusa", MedusaHeads, False, "Medusa heads"),
-        HeadType("eagle", "selfdraft", EagleHead, False, "selfdraft-layout EAGLE heads"),
-        HeadType("eagle", "eagle1", PublishedEagleHead, False, "EAGLE-1 heads"),
-        HeadType("eagle", "eagle3", PublishedEagleHead, True, "EAGLE-3 heads"),
+        HeadType("medusa", "medusa", MedusaHeads, servable=False),
+        HeadType("eagle", "selfdraft", EagleHead, servable=False, adapts=True),
+        HeadType("eagle", "eagle1", PublishedEagleHead, servable=False),
+        HeadType(
+            "eagle", "eagle3", PublishedEagleHead, servable=True, fc_bias=False, feature_weight=0.0, fuses_layers=True
+        ),
     )
 }
 
@@ -62,6 +68,21 @@ def layout_of(config: HeadsConfig) -> str:
 
 def head_type(config: HeadsConfig) -> HeadType:
     return HEAD_TYPES[layout_of(config)]
+
+
+def head_type_named(kind: str, layout: str | None) -> HeadType | None:
+    """The heads a run config names (heads.kind, heads.layout; Medusa ignores the layout); None for an
+    unknown pair, which the config's own checks report."""
+    if kind == "medusa":
+        return HEAD_TYPES["medusa"]
+    found = HEAD_TYPES.get(layout or DEFAULT_LAYOUT)
+    return found if found is not None and found.kind == kind else None
+
+
+def default_layout(kind: str) -> str:
+    """heads.layout when a run config names none: EAGLE-3 for EAGLE heads; Medusa runs have always
+    recorded the legacy name (their fingerprints keep it)."""
+    return DEFAULT_LAYOUT if kind == "eagle" else LEGACY_LAYOUT
 
 
 def build_heads(config: HeadsConfig) -> Heads:

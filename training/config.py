@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from selfdraft.errors import MissingFileError
+from selfdraft.heads.config import HEAD_KINDS, LEGACY_LAYOUT
+from selfdraft.heads.registry import HEAD_TYPES, default_layout, head_type_named
 from selfdraft.precision import cpu_has_native_bf16
 from selfdraft.training.checkpoint import resumable_heads
 from selfdraft.typed_config import (
@@ -36,9 +38,10 @@ from selfdraft.typed_config import (
 PRECISIONS = ("auto", "bf16", "fp32")
 LR_SCHEDULES = ("cosine", "constant")
 # heads.layout: "selfdraft" = our EAGLE head (a 1-layer body of the target's own class); "eagle3" = the
-# published EAGLE-3 architecture (heads/foreign/modules.py), which `selfdraft export --to vllm|sglang`
-# writes for the engines.
+# published EAGLE-3 architecture (heads/eagle3/module.py), which `selfdraft export --to vllm|sglang`
+# writes for the engines. What each implies (defaults, checks) is its registry entry's.
 LAYOUTS = ("selfdraft", "eagle3")
+LAYOUT_TYPES = {name: HEAD_TYPES[name] for name in LAYOUTS}
 # where the `configs/...` files shipped with selfdraft are (repository configs/ or the installed package)
 PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".parquet", ".csv", ".arrow")
@@ -161,12 +164,15 @@ class RunConfig:
         default feature layers and draft vocabulary do (`resolve_for_target`)."""
         h, t = self.heads, self.train
         if h.layout is None:
-            h.layout = "eagle3" if h.kind == "eagle" else "selfdraft"
+            h.layout = default_layout(h.kind)
+        named = head_type_named(h.kind, h.layout) or LAYOUT_TYPES.get(h.layout)  # a bad pair: checked later
+        if named is None:
+            return
         if h.fc_bias is None:
-            h.fc_bias = h.layout != "eagle3"
+            h.fc_bias = named.fc_bias
         if t.feature_weight is None:
-            t.feature_weight = 0.0 if h.layout == "eagle3" else 0.1
-        if h.feature_layers is None and h.layout != "eagle3":
+            t.feature_weight = named.feature_weight
+        if h.feature_layers is None and not named.fuses_layers:
             h.feature_layers = [-1]
 
     def settings(self) -> dict[str, object]:
@@ -189,7 +195,7 @@ class RunConfig:
         data.pop("schedule")
         data.pop("output_dir")
         heads = data["heads"]
-        if heads["layout"] == "selfdraft" and heads["fc_bias"]:
+        if heads["layout"] == LEGACY_LAYOUT and heads["fc_bias"]:
             # the defaults of keys added later: runs started before them keep their fingerprint
             del heads["layout"], heads["fc_bias"]
         if not data["train"]["mask_out_of_vocab"]:
@@ -218,9 +224,10 @@ def _check_layout(config: RunConfig) -> None:
     h = config.heads
     if h.layout not in LAYOUTS:
         raise ConfigError(f"heads.layout: {h.layout!r} is not one of {', '.join(LAYOUTS)}")
-    if h.layout != "eagle3":
+    layout = LAYOUT_TYPES[h.layout]
+    if not layout.servable:
         return
-    if h.kind != "eagle":
+    if h.kind != layout.kind:
         raise ConfigError(
             f"heads.layout: eagle3 is an EAGLE head architecture, but heads.kind is {h.kind!r}; set "
             "heads.kind: eagle or drop heads.layout"
@@ -277,7 +284,7 @@ def resolve_for_target(config: RunConfig, target_config) -> RunConfig:
     from selfdraft.heads.eagle3.module import eagle3_default_layers
 
     h = config.heads
-    if h.layout != "eagle3":
+    if not LAYOUT_TYPES[h.layout].fuses_layers:
         return config
     text = getattr(target_config, "get_text_config", lambda: target_config)()
     depth, vocab = text.num_hidden_layers, text.vocab_size
@@ -396,15 +403,15 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     for key, value in (overrides or {}).items():
         raw.setdefault(key, {}).update(value) if isinstance(value, dict) else raw.__setitem__(key, value)
     config = resolve_paths(build_dataclass(RunConfig, raw), Path(path).resolve().parent)
-    if config.heads.kind not in ("eagle", "medusa"):
-        raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of eagle, medusa")
+    if config.heads.kind not in HEAD_KINDS:
+        raise ConfigError(f"heads.kind: {config.heads.kind!r} is not one of {', '.join(HEAD_KINDS)}")
     _check_precision(config.train.precision)
     _check_layout(config)
     if config.train.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(
             f"train.lr_schedule: {config.train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
         )
-    if config.heads.layout == "eagle3" and config.heads.feature_layers is None:
+    if LAYOUT_TYPES[config.heads.layout].fuses_layers and config.heads.feature_layers is None:
         # what `selfdraft prepare` caches must already be these layers: resolve them from the target
         resolve_for_target(config, _target_text_config(config.target))
     return config

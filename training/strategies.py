@@ -18,6 +18,7 @@ from typing import ClassVar
 from torch import nn
 
 from selfdraft.errors import UserError
+from selfdraft.heads.registry import head_type
 from selfdraft.training.config import RunConfig, TrainSection
 from selfdraft.training.data.feature_cache import normalize_layers
 from selfdraft.training.objectives import build_draft_vocab, count_tokens
@@ -121,7 +122,7 @@ class EagleObjective(Objective):
         """Heads continued from one target layer on a run that fuses several layers including it
         start as those heads with the fusion picking that layer; other heads as loaded."""
         h, loaded = config.heads, heads.config
-        if loaded.eagle_layout != "selfdraft" or loaded.num_feature_layers != 1 or not h.feature_layers:
+        if not head_type(loaded).adapts or loaded.num_feature_layers != 1 or not h.feature_layers:
             return heads
         ours = [normalize_layers(target, [layer])[0] for layer in h.feature_layers]
         theirs = normalize_layers(target, loaded.feature_layers)
@@ -139,7 +140,7 @@ class EagleObjective(Objective):
         theirs = loaded.draft_vocab_size if getattr(heads, "draft_vocab", None) is not None else None
         if not size or size == theirs:
             return heads
-        if loaded.eagle_layout != "selfdraft":
+        if not head_type(loaded).adapts:
             raise UserError(
                 f"heads.init_from {h.init_from} holds {loaded.eagle_layout}-layout heads with draft "
                 f"vocabulary {theirs}, and heads.draft_vocab_size is {size}; only selfdraft-layout EAGLE "
@@ -162,7 +163,7 @@ class Eagle3Objective(EagleObjective):
 
     def _check_layout(self, config: RunConfig, heads: nn.Module) -> None:
         h, loaded = config.heads, heads.config
-        if loaded.eagle_layout != "eagle3":
+        if not head_type(loaded).servable:
             raise UserError(
                 f"heads.init_from {h.init_from} holds eagle_layout {loaded.eagle_layout!r} heads, which vLLM "
                 "and SGLang cannot serve, but heads.layout is eagle3 (the default for EAGLE heads); continue "

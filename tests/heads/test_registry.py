@@ -1,5 +1,6 @@
-"""One registry maps a heads config to its module; outside `heads/`, nothing asks which kind or layout
-it holds (no isinstance on a heads class, no comparison with a kind or layout name)."""
+"""One registry maps a heads config to its module and what a run of it defaults to; outside `heads/`,
+nothing asks which kind or layout it holds (no isinstance on a heads class, no comparison with a kind
+or layout name)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAD_CLASSES = {"EagleHead", "MedusaHeads", "PublishedEagleHead"}
 KINDS = {"medusa", "eagle", "eagle1", "eagle3"}  # "selfdraft" also names a bench method and a generator
 KIND_ATTRS = {"head_kind", "eagle_layout", "layout"}
-# Kind-free today: every package but heads/ and training/ (whose objectives and layout defaults are
-# next to move into the heads packages). scripts/check_vllm.py runs under the system Python, before
-# any environment with selfdraft exists, and reads config.json itself.
-SCANNED = ["selfdraft", "corpora", "inference", "bench", "scripts"]
+# Every package but heads/ itself. scripts/check_vllm.py runs under the system Python, before any
+# environment with selfdraft exists, and reads config.json itself.
+SCANNED = ["selfdraft", "corpora", "inference", "bench", "training", "scripts"]
 UNSCANNED = {"scripts/check_vllm.py"}
 
 

@@ -24,6 +24,7 @@ from selfdraft.corpora.mtbench import refuse_for_selection
 from selfdraft.destinations import check_destination, staged_folder
 from selfdraft.errors import UserError
 from selfdraft.heads import load_heads, save_heads
+from selfdraft.heads.registry import HEAD_TYPES
 from selfdraft.inference.model import shipped_heads_path
 from selfdraft.target import EMBEDDED
 from selfdraft.training.checkpoint import RUN_FILE, changed_settings
@@ -321,7 +322,8 @@ def model_card(
     """shipped: the folder is the one selfdraft loads by default for this target. layout: the EAGLE
     heads' layout (`eagle3` ones export to vLLM / SGLang)."""
     base = BASE_MODELS.get(target, target)
-    tags = ["speculative-decoding", kind, "draft-model"] + (["eagle3"] if layout == "eagle3" else [])
+    servable = layout in HEAD_TYPES and HEAD_TYPES[layout].servable
+    tags = ["speculative-decoding", kind, "draft-model"] + ([layout] if servable else [])
     lines = [
         "---",
         f"base_model: {base}",
