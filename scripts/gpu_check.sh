@@ -52,7 +52,9 @@ EOF
 
 for stage in 1 3; do
   echo "== ZeRO-$stage"
-  "$PY" -m selfdraft.training.train --config "$WORK/zero$stage.yaml"
+  # the recipe is read once, by prepare, which writes the run's resolved config; the worker reads that
+  "$PY" -m selfdraft.scripts.cli prepare --config "$WORK/zero$stage.yaml"
+  "$PY" -m selfdraft.training.train --config "$WORK/run$stage/resolved.yaml"
 done
 
 "$PY" - "$WORK" <<'EOF'
