@@ -6,6 +6,7 @@ Nothing outside `heads/` asks which kind or layout it holds: it asks the registr
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from selfdraft.heads.config import DEFAULT_LAYOUT, LEGACY_LAYOUT, HeadsConfig
 from selfdraft.heads.eagle.module import EagleHead
 from selfdraft.heads.eagle3.module import PublishedEagleHead
 from selfdraft.heads.medusa.module import MedusaHeads
+from selfdraft.heads.objective import Objective
 
 Heads = MedusaHeads | EagleHead | PublishedEagleHead
 
@@ -47,16 +49,28 @@ class HeadType:
     feature_weight: float = 0.1  # the feature-regression loss (EAGLE-3 feeds back a pre-norm state instead)
     fuses_layers: bool = False  # reads three target layers, chosen from the target's depth by default
     adapts: bool = False  # a continued run may widen its fusion or change its draft vocabulary
+    # "module:Class" of its training objective under selfdraft.heads (imported on use: generating never
+    # loads the training steps); None: selfdraft loads and serves these heads but does not train them
+    trains_with: str | None = None
+
+    def objective(self) -> Objective | None:
+        if self.trains_with is None:
+            return None
+        module, name = self.trains_with.split(":")
+        return getattr(importlib.import_module(f".{module}", __package__), name)()
 
 
 HEAD_TYPES: dict[str, HeadType] = {
     t.layout: t
     for t in (
-        HeadType("medusa", "medusa", MedusaHeads, servable=False),
-        HeadType("eagle", "selfdraft", EagleHead, servable=False, adapts=True),
+        HeadType("medusa", "medusa", MedusaHeads, servable=False, trains_with="medusa.objective:MedusaObjective"),
+        HeadType(
+            "eagle", "selfdraft", EagleHead, servable=False, adapts=True, trains_with="eagle.objective:EagleObjective"
+        ),
         HeadType("eagle", "eagle1", PublishedEagleHead, servable=False),
         HeadType(
-            "eagle", "eagle3", PublishedEagleHead, servable=True, fc_bias=False, feature_weight=0.0, fuses_layers=True
+            "eagle", "eagle3", PublishedEagleHead, servable=True, fc_bias=False, feature_weight=0.0, fuses_layers=True,
+            trains_with="eagle3.objective:Eagle3Objective",
         ),
     )
 }
@@ -77,6 +91,20 @@ def head_type_named(kind: str, layout: str | None) -> HeadType | None:
         return HEAD_TYPES["medusa"]
     found = HEAD_TYPES.get(layout or DEFAULT_LAYOUT)
     return found if found is not None and found.kind == kind else None
+
+
+def training_objective(kind: str, layout: str | None) -> Objective:
+    """The objective a run config's heads.kind and heads.layout train with; a one-line error naming the
+    trainable ones for heads selfdraft only loads."""
+    found = head_type_named(kind, layout)
+    objective = found.objective() if found is not None else None
+    if objective is None:
+        names = [t.kind if t.kind == t.layout else f"{t.kind}/{t.layout}" for t in HEAD_TYPES.values() if t.trains_with]
+        raise UserError(
+            f"heads.kind {kind!r} with heads.layout {layout!r} cannot be trained; use one of {', '.join(names)} "
+            "(kind/layout)"
+        )
+    return objective
 
 
 def default_layout(kind: str) -> str:

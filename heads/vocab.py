@@ -10,8 +10,10 @@ saved with heads.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -124,3 +126,43 @@ def drawn_children(
     vocab = getattr(heads, "draft_vocab", None)
     ids = vocab.to_target(draws) if vocab is not None else draws
     return ids, logq.gather(-1, draws), q
+
+
+def count_tokens(dataset: Iterable[dict], vocab_size: int) -> torch.Tensor:
+    """Frequency of each target token among loss-masked tokens (what the draft must propose). -> [V].
+
+    dataset: rows with input_ids and loss_mask; a `datasets.Dataset` is read in numpy batches (row by
+    row, converting Python lists, took ~90 s on ShareGPT instead of ~1 s).
+    """
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    if hasattr(dataset, "with_format"):
+        batches = dataset.with_format("numpy").iter(batch_size=1024)
+    else:
+        batches = ({"input_ids": [row["input_ids"]], "loss_mask": [row["loss_mask"]]} for row in dataset)
+    for batch in batches:
+        if len(batch["input_ids"]) == 0:
+            continue
+        ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in batch["input_ids"]])
+        keep = np.concatenate([np.asarray(x) for x in batch["loss_mask"]]).astype(bool)
+        counts += np.bincount(ids[keep], minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
+
+
+def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3 draft vocabulary: the draft_vocab_size most frequent target tokens.
+
+    token_counts: [V]. Returns d2t: LongTensor[Vd] with target_id = draft_id + d2t[draft_id], and
+    t2d: BoolTensor[V], True iff the target token is in the draft vocab. Draft ids are sorted by target
+    id (so t2d selects logits in draft order). Ties, including never-seen tokens used to fill the
+    vocab, go to the lower target id: the result is always exactly Vd tokens and deterministic.
+    """
+    V = token_counts.shape[0]
+    if not 0 < draft_vocab_size <= V:
+        raise ValueError(f"draft_vocab_size must be in 1..{V}, got {draft_vocab_size}")
+    # stable sort on -count keeps ascending ids among equal counts
+    order = torch.sort(-token_counts.to(torch.long), stable=True).indices
+    target_ids = torch.sort(order[:draft_vocab_size]).values
+    d2t = target_ids - torch.arange(draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[target_ids] = True
+    return d2t, t2d

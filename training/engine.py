@@ -12,11 +12,46 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from selfdraft.errors import UserError
+from selfdraft.heads.objective import Objective, StepOutput
+from selfdraft.heads.registry import training_objective
 from selfdraft.training.config import RunConfig
-from selfdraft.training.steps import DraftObjective
-from selfdraft.training.strategies import Objective
+from selfdraft.training.output_head import OutputHead
+
+
+def objective_for(config: RunConfig) -> Objective:
+    """The training objective of the run's heads.kind and heads.layout (the heads registry names it)."""
+    return training_objective(config.heads.kind, config.heads.layout)
+
+
+class DraftObjective(nn.Module):
+    """The heads and their training objective as one module whose forward returns the step's loss.
+
+    DeepSpeed's engine wraps this module, so every micro-step runs through `engine(...)`: the engine's
+    forward registers the backward hooks that tell ZeRO where a gradient-accumulation boundary is, and
+    ZeRO-3 gathers the heads' partitioned parameters around it. The target is not a submodule: its
+    output head (`OutputHead`, the lm_head weight) comes in as an argument and never enters the engine
+    or its optimizer.
+    step: the heads kind's step function (`Objective.step` of the kind's package, heads/*/objective.py).
+    """
+
+    def __init__(self, heads: nn.Module, step: Callable[..., StepOutput]) -> None:
+        super().__init__()
+        self.heads = heads
+        self.step = step
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden: list[torch.Tensor | None],
+        head: OutputHead,
+        **step_kwargs,
+    ) -> StepOutput:
+        """Arguments of the step function, without the heads."""
+        return self.step(self.heads, input_ids, loss_mask, hidden, head, **step_kwargs)
 
 
 def deepspeed_config(config: RunConfig, world: int, dtype: torch.dtype) -> dict:

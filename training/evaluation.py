@@ -7,14 +7,13 @@ import math
 import torch
 import torch.distributed as dist
 
+from selfdraft.heads.objective import EVAL_DEPTHS, Objective, StepOutput
 from selfdraft.training.batches import collate
 from selfdraft.training.config import RunConfig
 from selfdraft.training.data.feature_cache import HiddenStateCache, compute_features
 from selfdraft.training.data.prepare import heldout_cache_dir
 from selfdraft.training.output_head import output_head
 from selfdraft.training.simulate import simulated_tau
-from selfdraft.training.steps import StepOutput
-from selfdraft.training.strategies import EVAL_DEPTHS, Objective
 from selfdraft.tree import TreeSpec
 from selfdraft.tree_syntax import resolve_tree
 

@@ -9,41 +9,10 @@ would produce greedily, an estimate otherwise.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from selfdraft.heads.objective import MISS, DepthRanks
 from selfdraft.tree import TreeSpec
-
-MISS = 1 << 30  # rank of a token the draft cannot propose (outside its vocabulary)
-
-
-class DepthRanks(NamedTuple):  # a tuple: DeepSpeed's ZeRO-3 hooks walk a forward's outputs
-    ranks: torch.Tensor  # [B, T] long: rank of the target's greedy token among the draft logits
-    valid: torch.Tensor  # [B, T] bool
-    offset: int
-
-
-def label_ranks(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab=None) -> torch.Tensor:
-    """draft_logits: [B, T, V']; target_ids: [B, T] target-vocabulary ids -> ranks [B, T] (0 = top-1,
-    strictly above every other logit).
-
-    vocab: the heads' DraftVocab (None when the draft speaks the target vocabulary)."""
-    if vocab is None:
-        ids = target_ids
-        outside = torch.zeros_like(target_ids, dtype=torch.bool)
-    else:
-        to_draft = torch.full((vocab.t2d.numel(),), -1, dtype=torch.long, device=target_ids.device)
-        to_draft[vocab.target_ids()] = torch.arange(vocab.d2t.numel(), device=target_ids.device)
-        ids = to_draft[target_ids]
-        outside = ids < 0
-        ids = ids.clamp(min=0)
-    chosen = draft_logits.gather(-1, ids[..., None])
-    # Ties count against the label (top-k may pick the other token first), and NaN logits are a miss:
-    # diverged heads must never score as accurate.
-    ranks = (draft_logits > chosen).sum(-1) + (draft_logits == chosen).sum(-1) - 1
-    broken = torch.isnan(draft_logits).any(-1)
-    return ranks.clamp(min=0).masked_fill(outside | broken, MISS)
 
 
 def _child_table(spec: TreeSpec) -> torch.Tensor:

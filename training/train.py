@@ -30,6 +30,8 @@ from tqdm.auto import tqdm
 
 from selfdraft.errors import UserError
 from selfdraft.heads import HeadsConfig, build_heads, load_heads
+from selfdraft.heads.objective import Objective, StepOutput
+from selfdraft.heads.vocab import build_draft_vocab, count_tokens
 from selfdraft.precision import dtype_name
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
@@ -44,14 +46,11 @@ from selfdraft.training.data.prepare import (
     load_prepared_splits,
 )
 from selfdraft.training.distributed import init_distributed, shutdown_distributed
-from selfdraft.training.engine import TimeBudget, build_engine, fed_tokens
+from selfdraft.training.engine import TimeBudget, build_engine, fed_tokens, objective_for
 from selfdraft.training.evaluation import evaluate, heldout_examples, run_step, with_features
-from selfdraft.training.objectives import build_draft_vocab, count_tokens
 from selfdraft.training.output_head import check_output_head, output_head
 from selfdraft.training.resolved import RESOLVED_FILE, read_resolved
 from selfdraft.training.simulate import simulated_tau
-from selfdraft.training.steps import StepOutput
-from selfdraft.training.strategies import Objective, objective_for
 from selfdraft.tree import TreeSpec
 
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from selfdraft.heads.objective import MISS, DepthRanks, label_ranks
 from selfdraft.heads.vocab import DraftVocab
-from selfdraft.training.simulate import MISS, DepthRanks, label_ranks, simulated_tau
+from selfdraft.training.simulate import simulated_tau
 from selfdraft.tree import TreeSpec
 
 

@@ -164,8 +164,8 @@ def test_qwen_greedy_identity_with_fresh_heads(qwen, layout):
     vocabulary; EAGLE-3 with the recipe's layers and a 32,768-token draft vocabulary): fp32 greedy
     output equals `target.generate`, 24 tokens on two chat prompts."""
     from selfdraft.heads import HeadsConfig, build_heads
+    from selfdraft.heads.vocab import build_draft_vocab
     from selfdraft.inference import SelfDraftModel
-    from selfdraft.training.objectives import build_draft_vocab
 
     from tiny_models import greedy_reference
 

@@ -132,7 +132,7 @@ def test_a_heads_folder_named_as_the_target_is_one_error(tmp_path):
 
 def test_feature_layers_beyond_the_target_name_the_key():
     from selfdraft.errors import UserError
-    from selfdraft.training.data.feature_cache import normalize_layers
+    from selfdraft.heads.config import normalize_layers
 
     from tiny_models import tiny_target
 

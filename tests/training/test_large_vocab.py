@@ -10,10 +10,10 @@ import yaml
 from torch.overrides import TorchFunctionMode
 
 from selfdraft.corpora.sources import HUMANEVAL_FIRST_TRAINING_TASK, load_source
+from selfdraft.heads.objective import projected_argmax
+from selfdraft.heads.vocab import build_draft_vocab
 from selfdraft.training.data.vocab_coverage import spread, top_k_coverage
-from selfdraft.training.objectives import build_draft_vocab
 from selfdraft.training.output_head import OutputHead
-from selfdraft.training.steps import projected_argmax
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,15 +8,10 @@ import datasets
 import pytest
 import torch
 
-from selfdraft.training.objectives import (
-    build_draft_vocab,
-    count_tokens,
-    eagle_loss,
-    forward_kl,
-    medusa_loss,
-    medusa_targets,
-    ttt_weights,
-)
+from selfdraft.heads.eagle.objective import eagle_loss, ttt_weights
+from selfdraft.heads.medusa.objective import medusa_loss, medusa_targets
+from selfdraft.heads.objective import forward_kl
+from selfdraft.heads.vocab import build_draft_vocab, count_tokens
 
 # ------------------------------------------------------------------------------------------------ Medusa
 
@@ -169,8 +164,8 @@ def test_out_of_draft_vocab_positions_get_no_loss_but_count_as_misses():
     """With mask_out_of_vocab, a position whose target greedy token the draft vocabulary lacks adds
     nothing to the loss (same loss as masking it out of the data by hand) and still scores as a miss."""
     from selfdraft.heads import HeadsConfig, build_heads
+    from selfdraft.heads.eagle.objective import eagle_step
     from selfdraft.training.output_head import output_head
-    from selfdraft.training.steps import eagle_step
 
     from tiny_models import tiny_target
 
@@ -211,9 +206,9 @@ def test_exact_greedy_ids_only_where_asked():
     others keep the free argmax over the heads' vocabulary."""
     from types import SimpleNamespace
 
+    from selfdraft.heads.objective import greedy_target_ids
     from selfdraft.heads.vocab import DraftVocab
     from selfdraft.training.output_head import OutputHead
-    from selfdraft.training.steps import _greedy_target_ids
 
     torch.manual_seed(0)
     V, Vd, h = 32, 8, 6
@@ -226,6 +221,6 @@ def test_exact_greedy_ids_only_where_asked():
     full = (features @ weight.T).argmax(-1)
     free = vocab.to_target(labels.argmax(-1))
     assert (full != free).any()  # some greedy tokens are odd: outside the draft vocabulary
-    ids = _greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True, where=where)
+    ids = greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True, where=where)
     assert torch.equal(ids[where], full[where]) and torch.equal(ids[~where], free[~where])
-    assert torch.equal(_greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True), full)
+    assert torch.equal(greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True), full)

@@ -11,9 +11,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
 
 from selfdraft.errors import UserError
+from selfdraft.heads.objective import target_logits
 from selfdraft.heads.vocab import DraftVocab
 from selfdraft.training.output_head import OutputHead, check_output_head, output_head
-from selfdraft.training.steps import target_logits
 
 from tiny_models import COMMON
 

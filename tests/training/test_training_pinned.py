@@ -1,6 +1,6 @@
 """Pinned training runs: for a fixed seed, every head kind's losses, held-out scores and final weights
 are exactly those the trainer produced before its objectives moved behind one interface
-(`training/strategies.py`). A change of the math, however small, changes the digest of the weights.
+(each kind's `heads/*/objective.py` now). A change of the math, however small, changes the digest of the weights.
 
 The numbers were first recorded with the trainer of commit c605cd2 (before the refactor) and the
 refactored trainer reproduced them bit for bit; they were re-recorded once when the training texts

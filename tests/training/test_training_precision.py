@@ -129,8 +129,9 @@ def test_features_keep_the_compute_dtype(tmp_path):
 
 def test_bf16_step_reduces_the_loss_in_float32():
     from selfdraft.heads import HeadsConfig, build_heads
+    from selfdraft.heads.eagle.objective import eagle_step
+    from selfdraft.training.engine import DraftObjective
     from selfdraft.training.output_head import output_head
-    from selfdraft.training.steps import DraftObjective, eagle_step
 
     from tiny_models import tiny_target
 

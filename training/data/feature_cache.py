@@ -29,22 +29,11 @@ from tqdm.auto import tqdm
 
 from selfdraft import kv
 from selfdraft.errors import MissingFileError, UserError
+from selfdraft.heads.config import normalize_layers
 from selfdraft.training import locks
 
 INDEX_FILE = "index.json"
 CACHE_VERSION = 2  # 2: no stored target top-k
-
-
-def normalize_layers(model, layers: Sequence[int]) -> list[int]:
-    """Layer indices into output_hidden_states (negative counts from the end) -> sorted non-negative."""
-    count = model.config.num_hidden_layers + 1
-    out = sorted({layer % count if -count <= layer < count else layer for layer in layers})
-    if not out or out[0] < 0 or out[-1] >= count:
-        raise UserError(
-            f"heads.feature_layers: {list(layers)} on a target of {count - 1} layers; output_hidden_states "
-            f"indices run from {-count} to {count - 1} (0 the embeddings, -1 the last, post-norm): fix them"
-        )
-    return out
 
 
 @torch.no_grad()

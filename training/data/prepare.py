@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import datasets
 
 from selfdraft.errors import UserError
+from selfdraft.heads.config import normalize_layers
 from selfdraft.training import locks
 from selfdraft.training.config import RunConfig
 from selfdraft.training.data.dataset import build_dataset, rows_to_dataset, without_bars
-from selfdraft.training.data.feature_cache import HiddenStateCache, cache_hidden_states, normalize_layers
+from selfdraft.training.data.feature_cache import HiddenStateCache, cache_hidden_states
 
 DATA_DIR = "data"
 SPLIT_FINGERPRINT = "splits.json"

@@ -1,5 +1,6 @@
-"""One objective per head kind (`training/strategies.py`): the table picks it from the run config, and
-the trainer's modules never ask which kind of heads they hold."""
+"""One objective per head kind, in the kind's own package (`heads/*/objective.py`): the heads registry
+names it, `training/engine.py:objective_for` picks it from the run config, and the trainer's modules
+never ask which kind of heads they hold."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from selfdraft.errors import UserError
+from selfdraft.heads.eagle.objective import EagleObjective
+from selfdraft.heads.eagle3.objective import Eagle3Objective
+from selfdraft.heads.medusa.objective import MedusaObjective
+from selfdraft.heads.objective import Objective
+from selfdraft.heads.registry import HEAD_TYPES
 from selfdraft.training.config import RunConfig
-from selfdraft.training.strategies import (
-    Eagle3Objective,
-    EagleObjective,
-    MedusaObjective,
-    objective_for,
-)
+from selfdraft.training.engine import objective_for
 
 ROOT = Path(__file__).resolve().parents[2]
-KIND_FREE = ["training/train.py", "training/steps.py", "training/evaluation.py"]
+KIND_FREE = ["training/train.py", "training/engine.py", "training/evaluation.py"]
 HEAD_NAMES = {"medusa", "eagle", "eagle1", "eagle3", "selfdraft"}
 HEAD_CLASSES = {"EagleHead", "MedusaHeads", "PublishedEagleHead"}
 
@@ -36,7 +37,19 @@ def _config(kind: str, layout: str) -> RunConfig:
 )  # fmt: skip
 def test_the_table_picks_one_objective_per_kind(kind, layout, objective):
     chosen = objective_for(_config(kind, layout))
-    assert type(chosen) is objective and chosen.layout == layout and chosen.kind == kind
+    assert type(chosen) is objective and chosen.layout == layout
+
+
+def test_every_trainable_layout_names_an_objective_of_its_own_package():
+    """The registry's "module:Class" strings resolve (a typo fails here, not in a user's run), and each
+    objective lives in the package of the kind it trains."""
+    trainable = [t for t in HEAD_TYPES.values() if t.trains_with]
+    assert {t.layout for t in trainable} == {"medusa", "selfdraft", "eagle3"}
+    for t in trainable:
+        objective = t.objective()
+        assert isinstance(objective, Objective)
+        package = "medusa" if t.kind == "medusa" else "eagle" if t.layout == "selfdraft" else t.layout
+        assert type(objective).__module__ == f"selfdraft.heads.{package}.objective"
 
 
 def test_a_kind_without_objective_is_refused_naming_the_known_ones():
