@@ -17,6 +17,7 @@ from selfdraft.heads.registry import check_kind
 from selfdraft.inference.acceptance import SamplingParams
 from selfdraft.inference.decoding import GenerationOutput, speculative_generate
 from selfdraft.inference.requests import row_seeds
+from selfdraft.inference.tree_choice import TreeChoice
 from selfdraft.precision import (
     AUTO,
     draft_weights_int8,
@@ -26,18 +27,13 @@ from selfdraft.precision import (
     resolve_draft_dtype,
 )
 from selfdraft.target import load_target
-from selfdraft.tree import LookupTree, PromptLookup, TreeShape, TreeSpec
-from selfdraft.tree_syntax import TreeLike, is_tree_file, read_batch_trees, resolve_tree, tree_for_batch
+from selfdraft.tree import TreeShape
+from selfdraft.tree_syntax import TreeLike, resolve_tree
 
 logger = logging.getLogger(__name__)
 
 SHIPPED = "shipped"
 TREE_FILE = "tree.yaml"  # optional, next to a heads checkpoint: the tree shape chosen for it
-DEFAULT_TREE = "small"  # heads= default: the checkpoint shipped for an embedded target, if any
-# With no trained heads: the root plus a prompt-lookup branch, no head runs. Measured on sharegpt:8 (64
-# tokens, T=0, against target.generate, this 2-core AVX512-BF16 CPU): fp32 plain decoding 0.96x, this
-# 1.07x (tau 1.46); bf16 plain 1.05x, this 1.35x (tau 1.69).
-HEADS_FREE = LookupTree(TreeSpec.chain(0), PromptLookup(tokens=5))
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 # generation_config settings that make `target.generate` emit other tokens and that selfdraft does not
@@ -222,34 +218,34 @@ class SelfDraftModel:
         self.target = target
         self.tokenizer = tokenizer
         self.heads = heads.attach(target).to(target.device).eval()
-        self.machine = machine_kind(target.device)  # picks a tree file's entry for this kind of machine
-        # untrained heads with no tree asked for: drafting their junk would only cost passes
-        self.plain = not trained and tree is None and sampling_tree is None
-        self.tree = HEADS_FREE if self.plain else self._fitting_tree(tree)
-        given = tree if sampling_tree is None else sampling_tree
-        self.sampling_tree = self._fitting_tree(given, sampling=True) if given is not None else self.tree
-        # greedy trees per batch size, from a tree file's `batch:` block (`selfdraft tune --batch B`)
-        dtype = dtype_name(target.dtype)
-        batch = read_batch_trees(Path(tree), dtype, self.machine) if is_tree_file(tree) else {}
-        self.batch_trees = {size: self._fitting_tree(shape) for size, shape in batch.items()}
+        # the tree of each call, by the target's dtype, this kind of machine, sampling and batch size
+        self.trees = TreeChoice.build(
+            tree,
+            sampling_tree,
+            dtype=dtype_name(target.dtype),
+            machine=machine_kind(target.device),
+            depth_limit=getattr(self.heads, "max_draft_depth", None),
+            trained=trained,
+        )
         warn_unapplied_generation_config(target)
 
-    def _fitting_tree(self, tree: TreeLike | None, sampling: bool = False) -> TreeShape:
-        shape = resolve_tree(
-            DEFAULT_TREE if tree is None else tree,
-            dtype_name(self.target.dtype),
-            sampling,
-            self.machine,
-        )
-        limit = getattr(self.heads, "max_draft_depth", None)
-        if limit is None or shape.draft_depth <= limit:
-            return shape
-        if tree is None:
-            return shape.limited(limit)
-        raise UserError(
-            f"tree {shape.describe()} drafts {shape.draft_depth} deep but these heads propose at most "
-            f"{limit} levels; choose a tree at most {limit} deep (e.g. chain-{limit})"
-        )
+    @property
+    def tree(self) -> TreeShape:
+        """The greedy tree of a single prompt (no tree asked for in the call)."""
+        return self.trees.greedy
+
+    @property
+    def sampling_tree(self) -> TreeShape:
+        return self.trees.sampling
+
+    @property
+    def batch_trees(self) -> dict[int, TreeShape]:
+        return self.trees.batch
+
+    @property
+    def plain(self) -> bool:
+        """Untrained heads and no tree asked for: generate runs no head, only prompt lookup."""
+        return self.trees.plain
 
     @classmethod
     def from_pretrained(
@@ -377,14 +373,7 @@ class SelfDraftModel:
         """
         batch = is_batch(input_ids)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if tree is not None:
-            spec = self._fitting_tree(tree, sampling=temperature > 0)
-        elif temperature > 0:
-            spec = self.sampling_tree
-        elif batch:
-            spec = tree_for_batch(self.batch_trees, len(input_ids), self.tree)
-        else:
-            spec = self.tree
+        spec = self.trees.for_call(tree, temperature, len(input_ids) if batch else None)
         vocab = self.target.get_input_embeddings().num_embeddings
         max_new_tokens = check_budget(max_new_tokens)
         stops = self.default_stop_ids() if stop_token_ids is None else check_stop_ids(stop_token_ids, vocab)
