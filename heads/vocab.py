@@ -1,7 +1,8 @@
 """How heads see the target's vocabulary: the target's embeddings and lm_head, borrowed, a reduced
 draft vocabulary with its maps to the target's (EAGLE-3's `d2t` / `t2d`: target_id = draft_id +
-d2t[draft_id]), which an own projection of the heads ranks, and the children a drafter takes from
-the heads' logits (ranked or drawn) as target ids.
+d2t[draft_id]), which an own projection of the heads ranks and which a training run builds from its
+tokens (`count_tokens`, `build_draft_vocab`), and the children a drafter takes from the heads' logits
+(ranked or drawn) as target ids.
 
 The borrowed modules are held in a plain dataclass, not as submodules, so they never enter the heads'
 `state_dict`, their parameters, or an optimizer: nothing is copied and nothing of the target is ever
