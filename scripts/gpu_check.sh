@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device check of the training precision path: one process per ZeRO stage (1 and 3) trains EAGLE heads
+# Device check of the training precision path: one process per ZeRO stage (1 and 3) trains EAGLE-3 heads
 # on a tiny random Llama with train.precision auto (bf16 on a CUDA GPU), evaluates and saves; then the
 # logs are checked (dtype, device, finite losses) and the saved heads are loaded back.
 # Needs no network and no embedded package: the tokenizer is a word-level one built here.
@@ -26,22 +26,24 @@ tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "<
 tok.pre_tokenizer = pre_tokenizers.Whitespace()
 fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 AutoModelForCausalLM.from_config(cfg).save_pretrained(work / "target")
 fast.save_pretrained(work / "target")
 rng = random.Random(0)
 with (work / "texts.jsonl").open("w") as fh:
-    for i in range(64):  # a learnable pattern: each word is followed by its successor
-        start = rng.randrange(150)
-        fh.write(json.dumps({"id": f"t{i}", "text": " ".join(words[start : start + 48])}) + "\n")
+    for i in range(64):  # each row its own walk (stride i + 1): rows sharing their 3-grams would be
+        start = rng.randrange(200)  # near-duplicates, which the split keeps together (nothing held out)
+        walk = [words[(start + (i + 1) * k) % 200] for k in range(48)]
+        fh.write(json.dumps({"id": f"t{i}", "text": " ".join(walk)}) + "\n")
 root = Path.cwd()
 for stage in (1, 3):
     config = {
         "target": str(work / "target"), "output_dir": str(work / f"run{stage}"),
         "deepspeed": str(root / f"configs/deepspeed/zero{stage}.json"),
-        "heads": {"kind": "eagle", "draft_vocab_size": 128},
+        # the default users train (EAGLE-3 layout): it fuses three distinct layers, so name three of 0..3
+        "heads": {"kind": "eagle", "draft_vocab_size": 128, "feature_layers": [1, 2, 3]},
         "data": {"sources": [str(work / "texts.jsonl")], "max_length": 48, "heldout_fraction": 0.1},
         "train": {"max_steps": 6, "micro_batch_size": 4, "gradient_accumulation_steps": 2, "lr": 0.01,
                   "warmup_steps": 1, "ttt_steps": 2, "precision": "auto"},
@@ -73,7 +75,8 @@ for stage in (1, 3):
     start, losses = log[0], [r["loss"] for r in log if "loss" in r]
     evals = [r["eval_loss"] for r in log if "eval_loss" in r]
     print(f"ZeRO-{stage}: device={start['device']} precision={start['precision']} losses={losses} eval={evals}")
-    assert len(losses) == 6 and all(math.isfinite(x) for x in losses + evals) and len(evals) == 2
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses + evals), losses
+    assert len(evals) == 2, f"ZeRO-{stage}: {len(evals)} evaluations, want 2 (is anything held out?)"
     if cuda:
         assert start["device"].startswith("cuda") and start["precision"] == "bfloat16", start
     target, _ = load_target(str(work / "target"))
