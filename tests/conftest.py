@@ -1,3 +1,4 @@
+import os
 import random
 import sys
 from pathlib import Path
@@ -22,10 +23,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# `make test` runs two pytest workers (pytest-xdist), one per core: then every test takes one thread.
+# A real target's two threads beside the other worker ran its tests ~4x slower than alone (OpenMP
+# threads waiting on a busy core); one thread each took the suite from 646 s to 536 s
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
-    """Tiny models run fastest on one thread (per-op overhead dominates); the real target uses two."""
-    torch.set_num_threads(2 if REAL_TARGETS & set(request.fixturenames) else 1)
+    """Tiny models run fastest on one thread (per-op overhead dominates); the real target uses two
+    when it has the machine to itself."""
+    torch.set_num_threads(2 if REAL_TARGETS & set(request.fixturenames) and WORKERS == 1 else 1)
 
 
 @pytest.fixture(scope="session")
