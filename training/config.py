@@ -47,6 +47,9 @@ PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".parquet", ".csv", ".arrow")
 # how long a run trains: a resume may change them (extend a finished run); the rest of the config may not
 BUDGET_KEYS = ("train.epochs", "train.max_steps", "train.max_minutes")
+# keys added after runs began keeping their settings, at the value that computes what those runs did:
+# left out of `settings()` and the fingerprint there, so an earlier run still resumes and publishes
+ADDED_LATER = {"train.ttt_stride": 1}
 # heads.draft_vocab_size of an eagle3 run that leaves it unset (EAGLE-3's own default for Llama 3).
 EAGLE3_DEFAULT_DRAFT_VOCAB = 32000
 EAGLE3_FEATURE_LAYERS = 3  # the engines' EAGLE-3 drafters fuse exactly three target layers
@@ -114,6 +117,9 @@ class TrainSection:
     # costs about one head forward; short CPU runs set 2.
     ttt_steps: int = count(7)
     ttt_decay: float = positive(0.8)  # weight of unroll step j: decay**j (EAGLE-3's 0.8)
+    # k > 1: unroll steps after the first continue only every k-th position's chain (exactly, see
+    # `heads/eagle/objective.py:ttt_bases`), so deeper depths cost ~1/k; evaluation scores them all
+    ttt_stride: int = count(1)
     # SmoothL1 on predicted features (EAGLE-1); 0 disables. None: 0.1 (selfdraft), 0 (eagle3, which
     # drops the feature loss: its head's output is a pre-norm state, not the target's feature).
     # EAGLE-1 weighs them the other way (feature 1.0, CE 0.1); here the CE leads because acceptance
@@ -187,7 +193,11 @@ class RunConfig:
             for section, values in data.items()
             for key, value in (values.items() if isinstance(values, dict) else [(None, values)])
         }
-        return {key: value for key, value in flat.items() if key not in BUDGET_KEYS}
+        return {
+            key: value
+            for key, value in flat.items()
+            if key not in BUDGET_KEYS and not (key in ADDED_LATER and ADDED_LATER[key] == value)
+        }
 
     def fingerprint(self) -> str:
         """Hash of everything that changes what a step computes (not where or how often it saves)."""
@@ -204,6 +214,10 @@ class RunConfig:
             del data["train"]["lr_schedule"]
         if data["train"]["max_minutes"] is None:
             del data["train"]["max_minutes"]
+        for key, value in ADDED_LATER.items():
+            section, name = key.split(".")
+            if data[section][name] == value:
+                del data[section][name]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -23,6 +23,7 @@ from selfdraft.errors import UserError
 from selfdraft.heads.config import normalize_layers
 from selfdraft.heads.objective import (
     EVAL_DEPTHS,
+    MISS,
     DepthRanks,
     Objective,
     StepOutput,
@@ -93,6 +94,32 @@ def ttt_mask(length: int, step: int, dtype: torch.dtype, device="cpu") -> torch.
     return mask[None, None]
 
 
+def ttt_bases(n: int, stride: int, salt: int, device="cpu") -> torch.Tensor:
+    """Base positions b whose chains the unroll steps after the first continue: every `stride`-th of
+    0..n-1 from offset salt % stride -> [m] long, m = ceil((n - offset) / stride). `salt` comes from
+    the batch's tokens, so a resumed run replays the same chains and every offset gets its turn."""
+    return torch.arange(salt % stride, n, stride, device=device)
+
+
+def chain_mask(length: int, bases: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, m, T + step m] for unroll step `step` >= 1 of the m chains at `bases`.
+
+    Keys are step 0's T positions, then one block of m chain entries per later step. Chain c's query
+    (at position b_c + step) sees step 0 at positions <= b_c and, in each later block, its own entry
+    only: the same keys `ttt_mask` gives position b_c + step, so the chains compute exactly what the
+    full unroll computes there.
+    """
+    m = bases.shape[0]
+    c = torch.arange(length, device=bases.device)[None, :]
+    prefix = c <= bases[:, None]  # [m, T]
+    own = torch.eye(m, dtype=torch.bool, device=bases.device).repeat(1, step)  # [m, step m]
+    allowed = torch.cat([prefix, own], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=bases.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
+    return mask[None, None]
+
+
 def eagle_step(
     heads: nn.Module,
     input_ids: torch.Tensor,
@@ -106,13 +133,19 @@ def eagle_step(
     ce_weight: float,
     exact_labels: bool = False,
     mask_out_of_vocab: bool = False,
+    ttt_stride: int = 1,
 ) -> StepOutput:
     """input_ids, loss_mask: [B, T]; hidden: the target's output_hidden_states as a list of [B, T, h]
     (None for layers not needed); hidden[-1] (post-norm, the target's logits come from it) is required.
 
     mask_out_of_vocab (EAGLE-3): with a reduced draft vocabulary, positions whose target greedy token
     lies outside it get no loss; the renormalized label there would teach the head a token the target
-    does not pick. It needs the greedy token over the full vocabulary, so it implies exact labels."""
+    does not pick. It needs the greedy token over the full vocabulary, so it implies exact labels.
+
+    ttt_stride k > 1: step 0 trains every position; the later unroll steps continue only the chains
+    of every k-th base position (`ttt_bases`), about 1/k of their compute. A chain sees exactly what
+    the full unroll shows that position (`chain_mask`), so its losses and ranks are the full unroll's
+    at those positions; depths 2 and on then learn from 1/k of the positions per step."""
     f = heads.fuse_features(hidden)  # [B, T, h]
     last = hidden[-1]
     B, T = input_ids.shape
@@ -129,9 +162,7 @@ def eagle_step(
     vocab = heads.draft_vocab
     masking = mask_out_of_vocab and vocab is not None
     with torch.no_grad():
-        greedy = greedy_target_ids(
-            labels, feature_targets, heads, head, exact_labels or masking, where=valid
-        )
+        greedy = greedy_target_ids(labels, feature_targets, heads, head, exact_labels or masking, where=valid)
         target_probs = torch.softmax(labels.float(), dim=-1)
         if masking:
             in_vocab = vocab.t2d[greedy]  # [B, n]
@@ -142,23 +173,50 @@ def eagle_step(
     loss = torch.zeros((), device=input_ids.device)
     metrics: dict[str, float] = {"out_of_vocab": metrics_oov} if masking else {}
     hits = []
-    feats = f_in
+    feats, at = f_in, None  # at: [m] positions the chains query at step j (None: every position)
+    chains = ttt_bases(n, ttt_stride, int(input_ids.sum()), input_ids.device) if ttt_stride > 1 else None
     for j in range(ttt_steps):
-        mask = ttt_mask(n, j, f.dtype, input_ids.device)
-        out = heads(tokens, feats, position_ids=positions, attention_mask=mask, cache=cache)
+        mask = ttt_mask(n, j, f.dtype, input_ids.device) if at is None else chain_mask(n, chains, j, f.dtype)
+        out = heads(_at(tokens, at), feats, position_ids=_at(positions, at), attention_mask=mask, cache=cache)
         logits = heads.logits(out)
-        v, t = valid.clone(), trained.clone()
-        v[:, :j] = False
-        t[:, :j] = False
-        terms = eagle_loss(out, feature_targets, logits, target_probs, t, feature_weight, ce_weight)
+        v, t = _at(valid, at).clone(), _at(trained, at).clone()
+        if at is None:  # positions i < j have no base position
+            v[:, :j] = False
+            t[:, :j] = False
+        terms = eagle_loss(
+            out, _at(feature_targets, at), logits, _at(target_probs, at), t, feature_weight, ce_weight
+        )
         loss = loss + weights[j] * terms.loss
         metrics[f"ce_{j}"] = float(terms.ce.detach())
         with torch.no_grad():
-            hits.append(DepthRanks(label_ranks(logits, greedy, heads.draft_vocab), v, offset=j))
-        # next step reads this step's prediction at the previous position
-        feats = torch.cat([f_in[:, :1], out[:, :-1]], dim=1)
+            ranks = label_ranks(logits, _at(greedy, at), heads.draft_vocab)
+            hits.append(DepthRanks(*_spread(ranks, v, at, n), offset=j))
+        if chains is None:  # next step reads this step's prediction at the previous position
+            feats = torch.cat([f_in[:, :1], out[:, :-1]], dim=1)
+        else:  # a chain's next step reads its own prediction; past the end it is masked (see _spread)
+            feats = out[:, chains] if at is None else out
+            at = (chains + j + 1).clamp(max=n - 1)
     metrics["loss"] = float(loss.detach())
     return StepOutput(loss=loss, metrics=metrics, depths=hits)
+
+
+def _at(x: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
+    """x: [B, n, ...] -> the chains' positions [B, m, ...] (all of x when at is None)."""
+    return x if at is None else x[:, at]
+
+
+def _spread(
+    ranks: torch.Tensor, valid: torch.Tensor, at: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chains' ranks and validity [B, m] back at their positions in [B, n] (others invalid).
+    Chains past the end were clamped onto position n - 1, which never has a label, so where several
+    land on it all of them are invalid."""
+    if at is None:
+        return ranks, valid
+    full = ranks.new_full((ranks.shape[0], n), MISS)
+    seen = valid.new_zeros((valid.shape[0], n))
+    full[:, at], seen[:, at] = ranks, valid
+    return full, seen
 
 
 class EagleObjective(Objective):
@@ -178,6 +236,8 @@ class EagleObjective(Objective):
             "feature_weight": train_section.feature_weight,
             "ce_weight": train_section.ce_weight,
             "mask_out_of_vocab": train_section.mask_out_of_vocab,
+            # evaluation scores every position
+            "ttt_stride": 1 if depth else train_section.ttt_stride,
         }
 
     def eval_depths(self, config, tree) -> int:

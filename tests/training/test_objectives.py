@@ -224,3 +224,58 @@ def test_exact_greedy_ids_only_where_asked():
     ids = greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True, where=where)
     assert torch.equal(ids[where], full[where]) and torch.equal(ids[~where], free[~where])
     assert torch.equal(greedy_target_ids(labels, features, heads, OutputHead(weight), exact=True), full)
+
+
+# ------------------------------------------------------------------------- training-time test chains
+
+
+def test_ttt_bases_take_every_kth_position_from_the_salts_offset():
+    from selfdraft.heads.eagle.objective import ttt_bases
+
+    assert ttt_bases(10, 3, salt=4).tolist() == [1, 4, 7]
+    assert ttt_bases(10, 3, salt=6).tolist() == [0, 3, 6, 9]
+    assert ttt_bases(5, 1, salt=7).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "selfdraft"])
+def test_ttt_stride_chains_rank_exactly_as_the_full_unroll(layout):
+    """With ttt_stride k, depth 1 scores every position and depth j+1 only the chains of every k-th
+    base; there the ranks equal the full unroll's (the chain mask shows each chain the keys the full
+    mask shows its position), and evaluation options keep the full unroll."""
+    from types import SimpleNamespace
+
+    from selfdraft.heads import HeadsConfig, build_heads
+    from selfdraft.heads.eagle.objective import EagleObjective, eagle_step, ttt_bases
+    from selfdraft.training.output_head import output_head
+
+    from tiny_models import tiny_target
+
+    torch.manual_seed(0)
+    target = tiny_target()
+    V = target.config.vocab_size
+    heads = build_heads(HeadsConfig.for_target(target.config, head_kind="eagle", eagle_layout=layout))
+    heads.attach(target)
+    ids = torch.randint(0, V, (2, 24))
+    loss_mask = torch.ones_like(ids)
+    loss_mask[1, 18:] = 0  # a padded row
+    with torch.no_grad():
+        hidden = list(target(ids, output_hidden_states=True).hidden_states)
+    kwargs = dict(ttt_steps=4, ttt_decay=0.8, feature_weight=0.1, ce_weight=1.0)
+    full = eagle_step(heads, ids, loss_mask, hidden, output_head(target), **kwargs)
+    strided = eagle_step(heads, ids, loss_mask, hidden, output_head(target), ttt_stride=3, **kwargs)
+    n = ids.shape[1] - 1
+    chains = ttt_bases(n, 3, int(ids.sum()))
+    assert torch.equal(strided.depths[0].valid, full.depths[0].valid)
+    assert torch.equal(strided.depths[0].ranks, full.depths[0].ranks)
+    for j in range(1, 4):
+        s, f = strided.depths[j], full.depths[j]
+        on_chain = torch.zeros(n, dtype=torch.bool)
+        on_chain[(chains + j)[chains + j < n]] = True
+        assert torch.equal(s.valid, f.valid & on_chain)
+        assert s.valid.sum() > 2
+        assert torch.equal(s.ranks[s.valid], f.ranks[s.valid])
+    assert strided.loss.requires_grad and torch.isfinite(strided.loss)
+    section = SimpleNamespace(ttt_steps=4, ttt_decay=0.8, feature_weight=0.1, ce_weight=1.0,
+                              mask_out_of_vocab=True, ttt_stride=3)  # fmt: skip
+    assert EagleObjective().step_options(section)["ttt_stride"] == 3
+    assert EagleObjective().step_options(section, depth=5)["ttt_stride"] == 1

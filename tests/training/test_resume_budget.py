@@ -88,6 +88,32 @@ def test_a_resume_names_the_setting_that_changed_and_allows_a_longer_budget(tmp_
     assert "fingerprint" not in str(err.value)
 
 
+# what selfdraft stored for the default config before train.ttt_stride existed (c9e4964 and earlier)
+EARLIER_DEFAULT_FINGERPRINT = "7be1baa817db994f"
+
+
+@pytest.mark.parametrize("kept", ["settings", "fingerprint"])
+def test_a_run_from_before_a_key_existed_resumes_at_that_keys_default(tmp_path, kept):
+    """A run written before a key was added (its run.json has no such setting; runs older still keep
+    only a fingerprint that hashed no such key) resumes and publishes under a config that leaves the
+    key at the value that computes what the run did; any other value is a change, named."""
+    from selfdraft.training.config import ADDED_LATER
+
+    config = RunConfig(output_dir=str(tmp_path))
+    assert "train.ttt_stride" in ADDED_LATER and not config.settings().keys() & ADDED_LATER.keys()
+    settings = config.settings() if kept == "settings" else None
+    ckpt.write_meta(tmp_path, ckpt.run_meta(EARLIER_DEFAULT_FINGERPRINT, 1, "float32", settings))
+    (tmp_path / "checkpoints" / "step-0000008").mkdir(parents=True)
+
+    def check(config: RunConfig) -> None:
+        ckpt.check_meta(tmp_path, ckpt.run_meta(config.fingerprint(), 1, "float32", config.settings()), True)
+
+    check(config)
+    config.train.ttt_stride = 2
+    with pytest.raises(ckpt.ResumeError, match="train.ttt_stride: None -> 2" if kept == "settings" else "fingerprint"):
+        check(config)
+
+
 def test_a_run_killed_inside_a_save_resumes_from_the_last_whole_one_and_extends(tmp_path, text_run):
     """8 steps saving every 4, then rank 0's optimizer file of the last save is cut short (the state
     a kill inside DeepSpeed's save window leaves, `latest` already naming it): `--resume --max-steps
