@@ -50,6 +50,9 @@ BUDGET_KEYS = ("train.epochs", "train.max_steps", "train.max_minutes")
 # keys added after runs began keeping their settings, at the value that computes what those runs did:
 # left out of `settings()` and the fingerprint there, so an earlier run still resumes and publishes
 ADDED_LATER = {"train.ttt_stride": 1}
+# keys added while runs kept only a fingerprint (they are in every kept settings): the fingerprint
+# leaves them out at these values, so those runs keep theirs
+HASHED_BEFORE_SETTINGS = {"train.mask_out_of_vocab": False, "train.lr_schedule": "cosine", "train.max_minutes": None}
 # heads.draft_vocab_size of an eagle3 run that leaves it unset (EAGLE-3's own default for Llama 3).
 EAGLE3_DEFAULT_DRAFT_VOCAB = 32000
 EAGLE3_FEATURE_LAYERS = 3  # the engines' EAGLE-3 drafters fuse exactly three target layers
@@ -208,13 +211,7 @@ class RunConfig:
         if heads["layout"] == LEGACY_LAYOUT and heads["fc_bias"]:
             # the defaults of keys added later: runs started before them keep their fingerprint
             del heads["layout"], heads["fc_bias"]
-        if not data["train"]["mask_out_of_vocab"]:
-            del data["train"]["mask_out_of_vocab"]
-        if data["train"]["lr_schedule"] == "cosine":
-            del data["train"]["lr_schedule"]
-        if data["train"]["max_minutes"] is None:
-            del data["train"]["max_minutes"]
-        for key, value in ADDED_LATER.items():
+        for key, value in {**HASHED_BEFORE_SETTINGS, **ADDED_LATER}.items():
             section, name = key.split(".")
             if data[section][name] == value:
                 del data[section][name]

@@ -173,9 +173,11 @@ def eagle_step(
     loss = torch.zeros((), device=input_ids.device)
     metrics: dict[str, float] = {"out_of_vocab": metrics_oov} if masking else {}
     hits = []
-    feats, at = f_in, None  # at: [m] positions the chains query at step j (None: every position)
+    feats = f_in
     chains = ttt_bases(n, ttt_stride, int(input_ids.sum()), input_ids.device) if ttt_stride > 1 else None
     for j in range(ttt_steps):
+        # the positions the chains query at step j (None: every position); past the end: see _spread
+        at = None if chains is None or j == 0 else (chains + j).clamp(max=n - 1)
         mask = ttt_mask(n, j, f.dtype, input_ids.device) if at is None else chain_mask(n, chains, j, f.dtype)
         out = heads(_at(tokens, at), feats, position_ids=_at(positions, at), attention_mask=mask, cache=cache)
         logits = heads.logits(out)
@@ -193,9 +195,8 @@ def eagle_step(
             hits.append(DepthRanks(*_spread(ranks, v, at, n), offset=j))
         if chains is None:  # next step reads this step's prediction at the previous position
             feats = torch.cat([f_in[:, :1], out[:, :-1]], dim=1)
-        else:  # a chain's next step reads its own prediction; past the end it is masked (see _spread)
+        else:  # a chain's next step reads its own prediction
             feats = out[:, chains] if at is None else out
-            at = (chains + j + 1).clamp(max=n - 1)
     metrics["loss"] = float(loss.detach())
     return StepOutput(loss=loss, metrics=metrics, depths=hits)
 
