@@ -24,7 +24,7 @@ from selfdraft.errors import MissingFileError
 from selfdraft.heads.config import HEAD_KINDS, LEGACY_LAYOUT
 from selfdraft.heads.registry import HEAD_TYPES, default_layout, head_type_named
 from selfdraft.precision import cpu_has_native_bf16
-from selfdraft.training.checkpoint import resumable_heads
+from selfdraft.training.checkpoint import RUN_FILE, resumable_heads
 from selfdraft.typed_config import (
     ConfigError,
     at_least,
@@ -73,7 +73,9 @@ class HeadsSection:
     medusa_num_heads: int = count(4)
     medusa_num_layers: int = count(1)
     medusa_own_lm_head: bool = False
-    init_from: str | None = None  # a heads folder to continue from (fine-tuning)
+    # a heads folder to continue from (fine-tuning, a fresh optimizer), or a run folder: its newest
+    # checkpoint's heads and AdamW state, under this run's schedule and data (training/warm_start.py)
+    init_from: str | None = None
 
 
 @dataclass
@@ -377,6 +379,11 @@ def check_paths(config: RunConfig, reads_cache: bool = True) -> None:
     init_from = config.heads.init_from
     if init_from and not Path(init_from).is_dir() and not resumable_heads(Path(config.output_dir)):
         problems.append(f"heads.init_from: {init_from} is not a heads folder")
+    elif init_from and (Path(init_from) / RUN_FILE).is_file() and not resumable_heads(Path(init_from)):
+        problems.append(
+            f"heads.init_from: run {init_from} holds no whole checkpoint to continue; point it at a heads "
+            "folder, or resume that run first"
+        )
     for source in config.data.sources:
         if _looks_like_path(source) and not Path(source).expanduser().exists():
             problems.append(f"data.sources: {source} does not exist")

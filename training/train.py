@@ -35,6 +35,7 @@ from selfdraft.heads.vocab import build_draft_vocab, count_tokens
 from selfdraft.precision import dtype_name
 from selfdraft.target import load_target
 from selfdraft.training import checkpoint as ckpt
+from selfdraft.training import warm_start
 from selfdraft.training.allocator import keep_freed_memory
 from selfdraft.training.batches import SampleStream, collate, split_lengths
 from selfdraft.training.config import RunConfig, check_paths, resolve_for_target, resolve_precision
@@ -69,8 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_run_heads(config: RunConfig, target, train, resuming: bool = False) -> torch.nn.Module:
     """The run's heads: on a resume, those of its own export (`ckpt.resumable_heads`; the checkpoint
     then loads their weights); else continued from heads.init_from (checked and adapted by the kind's
-    objective), or new ones of the run config's shape, their projection and draft vocabulary from the
-    target and the training split."""
+    objective; a run folder's heads export, which its optimizer state must still fit), or new ones of
+    the run config's shape, their projection and draft vocabulary from the target and the training
+    split."""
     h = config.heads
     objective = objective_for(config)
     resolve_for_target(config, target.config)  # idempotent: `main` resolved it already
@@ -78,7 +80,13 @@ def build_run_heads(config: RunConfig, target, train, resuming: bool = False) ->
     if own:
         return load_heads(own, target)
     if h.init_from:
-        return objective.continue_from(config, load_heads(h.init_from, target), target, train)
+        run_dir = warm_start.source_run(h.init_from)
+        loaded = load_heads(warm_start.source_heads(run_dir) if run_dir else h.init_from, target)
+        before = warm_start.shapes(loaded)
+        heads = objective.continue_from(config, loaded, target, train)
+        if run_dir:
+            warm_start.check_unadapted(before, heads, run_dir)
+        return heads
     heads_config = HeadsConfig.for_target(
         target.config,
         head_kind=h.kind,
@@ -274,8 +282,9 @@ def sample_stream(config: RunConfig, train, examples, rank: int, world: int) -> 
 
 def resume(run: Run, resume: bool) -> Progress:
     """The progress of the newest whole checkpoint (`ckpt.latest_tag`, loaded into the engine), or a
-    fresh start."""
+    fresh start (from the optimizer state of the run heads.init_from names, if it names one)."""
     progress = Progress()
+    continued = {}  # a run started from another run's checkpoint: which, and its optimizer's steps
     tag = ckpt.latest_tag(run.output_dir) if resume else None
     if tag:
         _, client = run.engine.load_checkpoint(str(run.output_dir / "checkpoints"), tag=tag)
@@ -283,6 +292,8 @@ def resume(run: Run, resume: bool) -> Progress:
         # 0: a checkpoint written before tokens_fed was kept
         progress.tokens_before = int(client.get("tokens_fed", 0))
         run.budget.before = run.budget.elapsed = float(client.get("train_seconds", 0.0))
+    elif source := warm_start.source_run(run.config.heads.init_from):
+        continued = warm_start.continue_optimizer(run.engine, source)
     progress.fed_last = progress.tokens_before
     run.log = RunLog(run.output_dir, run.rank == 0)
     run.log.write(
@@ -296,6 +307,7 @@ def resume(run: Run, resume: bool) -> Progress:
             "device": str(run.device),
             "eval_features": "cached" if isinstance(run.heldout, HiddenStateCache) else "online",
             "time": time.time(),
+            **continued,
         }
     )
     return progress
@@ -305,7 +317,7 @@ def train_step(run: Run, progress: Progress) -> StepOutput:
     """One optimizer step: gradient_accumulation_steps micro-steps through the engine (ZeRO hooks,
     accumulation); returns the last micro-step's output."""
     accum = run.config.train.gradient_accumulation_steps
-    progress.lr = run.scheduler.get_last_lr()[0]  # this step's: the engine steps the schedule after it
+    progress.lr = run.engine.get_lr()[0]  # the param group's, which this step runs at (the schedule steps after it)
     for micro in range(accum):
         rows = [run.examples[i] for i in run.stream.micro_batch(progress.step * accum + micro)]
         batch = with_features(collate(rows), run.target, run.layers, run.device, run.dtype)
@@ -463,6 +475,8 @@ def main(argv=None) -> int:
 
     # 4. the run folder: another run's refused, a resumed run's stored meta read
     meta, stored, lock = claim_run_folder(config, args.resume, rank, world, dtype_name(dtype))
+    if stored is None and (source := warm_start.source_run(config.heads.init_from)):
+        warm_start.check_compatible(source, world, dtype_name(dtype))
 
     # 5. data: the prepared splits, or their feature cache; run.json records what the run reads
     train, heldout = load_splits(config, args.config, tokenizer)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from selfdraft.errors import MissingFileError
 from selfdraft.training import checkpoint as ckpt
 from selfdraft.training.config import RunConfig
 from selfdraft.training.data.prepare import prepare_from_config
@@ -175,3 +176,50 @@ def test_a_resume_no_longer_needs_the_heads_the_run_started_from(tmp_path, text_
         env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert fresh.returncode == 2 and f"heads.init_from: {init} is not a heads folder" in fresh.stderr
+
+
+def test_a_run_continues_another_runs_optimizer_state(tmp_path, text_run):
+    """`heads.init_from` naming a run folder continues its newest checkpoint's AdamW state under a new
+    schedule: the start record names the checkpoint and its optimizer's 4 steps, the first steps run at
+    this run's warmup lr (not the 0.0001 the first run's cosine ended on, which its saved state holds),
+    and a third run continued from the second finds 4 + 2 optimizer steps. A config whose heads the
+    state no longer fits, another precision, or a run with nothing saved are refused in one line each."""
+    first = _worker(text_run(train={"max_steps": 4}, schedule={"save_every": 4}))
+    assert first.returncode == 0, first.stderr[-3000:]
+    source = tmp_path / "first"
+    (tmp_path / "run").rename(source)
+
+    config = text_run(
+        heads={"init_from": str(source)},
+        train={"max_steps": 2, "warmup_steps": 2},
+        schedule={"save_every": 2},
+    )
+    second = _worker(config)
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = _log(tmp_path / "run")
+    assert log[0]["event"] == "start" and log[0]["optimizer_steps"] == 4
+    assert log[0]["optimizer_from"] == str(source / "checkpoints" / "step-0000004")
+    assert [r["lr"] for r in log if "lr" in r] == pytest.approx([0.0005, 0.001])
+
+    (tmp_path / "run").rename(tmp_path / "second")
+    third = _worker(text_run(heads={"init_from": str(tmp_path / "second")}, train={"max_steps": 1}))
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert _log(tmp_path / "run")[0]["optimizer_steps"] == 6
+
+    shutil.rmtree(tmp_path / "run")
+    fresh = f"point heads.init_from at {source / 'heads'} "
+
+    def refused(says: str, **sections) -> None:
+        out = _worker(text_run(**sections))
+        assert out.returncode == 2 and says in out.stderr and fresh in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+    refused("this config changes them (", heads={"init_from": str(source), "draft_vocab_size": 128})
+    meta = json.loads((source / "run.json").read_text())
+    (source / "run.json").write_text(json.dumps({**meta, "precision": "bfloat16"}))
+    refused("was trained in bfloat16, but train.precision resolves to float32", heads={"init_from": str(source)})
+    (source / "run.json").write_text(json.dumps(meta))
+    shutil.rmtree(source / "checkpoints")
+    with pytest.raises(MissingFileError, match="holds no whole checkpoint to continue"):
+        prepare_from_config(text_run(heads={"init_from": str(source)}))
