@@ -24,7 +24,8 @@ from selfdraft.errors import MissingFileError
 from selfdraft.heads.config import HEAD_KINDS, LEGACY_LAYOUT
 from selfdraft.heads.registry import HEAD_TYPES, default_layout, head_type_named
 from selfdraft.precision import cpu_has_native_bf16
-from selfdraft.training.checkpoint import RUN_FILE, resumable_heads
+from selfdraft.training.checkpoint import resumable_heads
+from selfdraft.training.warm_start import source_run
 from selfdraft.typed_config import (
     ConfigError,
     at_least,
@@ -379,7 +380,7 @@ def check_paths(config: RunConfig, reads_cache: bool = True) -> None:
     init_from = config.heads.init_from
     if init_from and not Path(init_from).is_dir() and not resumable_heads(Path(config.output_dir)):
         problems.append(f"heads.init_from: {init_from} is not a heads folder")
-    elif init_from and (Path(init_from) / RUN_FILE).is_file() and not resumable_heads(Path(init_from)):
+    elif (run := source_run(init_from)) and not resumable_heads(run):
         problems.append(
             f"heads.init_from: run {init_from} holds no whole checkpoint to continue; point it at a heads "
             "folder, or resume that run first"
